@@ -1,0 +1,29 @@
+"""The core's built-in plugin: the FCFS scheduler and the reference sampler.
+
+Registered like any other plugin, first, so third-party implementations that declare
+``tryfirst=True`` (or simply answer for their own policy names) take precedence.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pluggy
+
+hookimpl = pluggy.HookimplMarker("lmdock")
+
+
+@hookimpl(trylast=True)
+def lmdock_make_scheduler(config: Any, max_seq_len: int, kv_capacity_tokens: int | None) -> Any:
+    if config.policy != "fcfs":
+        return None
+    from lmdock._engine.scheduler import FcfsScheduler
+
+    return FcfsScheduler(config, max_seq_len, kv_capacity_tokens)
+
+
+@hookimpl(trylast=True)
+def lmdock_make_sampler(backend: str, model_config: Any) -> Any:
+    from lmdock._engine.sampler import ReferenceSampler
+
+    return ReferenceSampler()

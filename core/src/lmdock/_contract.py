@@ -1,0 +1,172 @@
+"""The two engine contracts a backend implements, and how a backend declares itself.
+
+* A **step engine** only computes (transformers, ONNX Runtime, MLX, llama.cpp): given chunks of new
+  tokens for several sequences, each at its own position, it returns next-token logits and keeps each
+  sequence's KV state until told to release it.  The core supplies scheduling, sampling, stopping,
+  detokenization, streaming, logprobs and beam search around it (Modular MAX's
+  ``TokenGenerator.next_token`` / ``release`` is the model).
+* A **request engine** (vLLM, TensorRT-LLM, remote servers) schedules and samples for itself: it takes
+  whole requests and reports their progress to a sink.
+
+The core's own generation loop for step engines is itself a request engine, so the ``LLM`` facade
+speaks to one interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from lmdock._outputs import RequestOutput
+    from lmdock._params import SamplingParams
+    from lmdock._tokenizer import Tokenizer
+
+#: The plugin API this core implements.  A plugin declares the version it was written for; a different
+#: major version is refused.
+PLUGIN_API_VERSION = "1.0"
+
+#: Capabilities a backend declares it has, or lacks with a reason.  Tests ask for these by name.
+CAPABILITIES: Mapping[str, str] = {
+    "generate": "text generation from text or token-id prompts",
+    "chat": "chat through the tokenizer's (or an explicit) chat template",
+    "stream": "streamed deltas and generate_async futures",
+    "sampling": "the full SamplingParams (temperature, top_k, top_p, min_p, penalties, seed)",
+    "logprobs": "per-token logprobs of the generated tokens",
+    "prompt_logprobs": "logprobs of the prompt tokens",
+    "beam_search": "beam search (beam_width > 1)",
+    "next_token_logprobs": "genlm-style next_token_logprobs over token-id prefixes",
+    "embed": "embeddings from an embedding model",
+    "score": "similarity scoring of text pairs",
+    "quantization": "at least one QuantConfig algorithm",
+    "offload": "OffloadPolicy: weights partly in RAM or on disk",
+}
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A backend as a plugin declares it through ``lmdock_register_backends``.
+
+    ``available`` is a cheap probe that imports nothing heavy (``importlib.util.find_spec``) and
+    returns None when the backend can run here, else the reason it cannot.  ``lacks`` maps each
+    capability the backend does not have to the reason; capabilities neither in ``supports`` nor in
+    ``lacks`` count as lacking ("not declared").
+    """
+
+    name: str
+    kind: Literal["step", "request"]
+    plugin_api: str
+    supports: frozenset[str] = frozenset()
+    lacks: Mapping[str, str] = field(default_factory=dict)
+    requires: tuple[str, ...] = ()
+    package: str | None = None
+    version: str | None = None
+    available: Callable[[], str | None] = lambda: None
+    options: type | None = None
+    priority: int = 0
+    description: str = ""
+    plugin: str = ""  # filled in by the core: the registering plugin's name
+
+    def capability(self, name: str) -> tuple[bool, str]:
+        """``(True, "")`` when supported, else ``(False, reason)``."""
+        if name in self.supports:
+            return True, ""
+        return False, self.lacks.get(name, f"backend {self.name!r} does not declare {name!r}")
+
+
+@dataclass
+class SeqChunk:
+    """New tokens for one sequence in one step.
+
+    ``start`` is how many of the sequence's tokens the engine already holds in its KV state; the
+    chunk's tokens take positions ``start .. start + len(token_ids) - 1``.  A sequence the engine has
+    not seen starts at 0.  With ``all_logits`` the engine returns logits for every position of the
+    chunk (for prompt logprobs), else for the last one only.
+    """
+
+    seq_id: int
+    token_ids: Sequence[int]
+    start: int
+    all_logits: bool = False
+
+
+@dataclass
+class StepOutput:
+    """Logits for one step: ``last[i]`` (float32, shape [vocab]) is for ``chunks[i]``'s last token;
+    ``full[seq_id]`` (shape [len(chunk), vocab]) where ``all_logits`` was asked."""
+
+    last: np.ndarray
+    full: dict[int, np.ndarray] = field(default_factory=dict)
+
+
+@runtime_checkable
+class StepEngine(Protocol):
+    """What a step backend's load hook returns."""
+
+    tokenizer: Tokenizer
+    vocab_size: int
+    max_seq_len: int
+    eos_token_ids: tuple[int, ...]
+    #: Explicit keys of the model's generation_config.json (the first layer of sampling defaults).
+    generation_config: dict[str, Any]
+    #: Most tokens the KV state can hold across all sequences (None: bounded only by max_num_seqs).
+    kv_capacity_tokens: int | None
+
+    def step(self, chunks: Sequence[SeqChunk]) -> StepOutput:
+        """Append each chunk to its sequence's KV state and return next-token logits."""
+        ...
+
+    def release(self, seq_id: int) -> None:
+        """Forget a sequence's KV state at once (finished, aborted or preempted)."""
+        ...
+
+    def fork(self, src_seq_id: int, dst_seq_id: int, length: int) -> bool:
+        """Copy the first ``length`` KV positions of ``src`` into a new ``dst``; False if unsupported."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class EngineRequest:
+    """A request as a request engine receives it: defaults already merged into ``params``."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool = False
+
+
+class OutputSink(Protocol):
+    """Where an engine reports a request's progress (from any thread)."""
+
+    def put(self, output: RequestOutput) -> None:
+        """A cumulative snapshot; the last one has ``finished=True``."""
+        ...
+
+    def fail(self, error: BaseException) -> None:
+        """The request failed; nothing more is reported for it."""
+        ...
+
+
+@runtime_checkable
+class RequestEngine(Protocol):
+    """What a request backend's load hook returns (and what the core wraps step engines into)."""
+
+    tokenizer: Tokenizer | None
+    max_seq_len: int
+    generation_config: dict[str, Any]
+
+    def submit(self, request: EngineRequest, sink: OutputSink) -> None:
+        """Queue a request without blocking; thread-safe.  Raise for a request refused at once."""
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its state; its sink gets a final output with reason "abort"."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,65 @@
+"""Incremental detokenization and stop-string matching.
+
+Decoding token by token breaks words that span tokens (SentencePiece's leading-space marker) and
+multi-byte characters split across byte tokens.  Like vLLM, each step decodes a short window twice,
+with and without the newest tokens, and emits the difference only when it does not end in U+FFFD
+(an incomplete UTF-8 sequence): a stream never shows a broken character.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lmdock._tokenizer import Tokenizer
+
+_CONTEXT = 6  # prompt tokens kept as left context, so the first output word keeps its spacing
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids = list(prompt_ids[-_CONTEXT:])
+        self._prefix = 0
+        self._read = len(self._ids)
+        self.text = ""
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes (may be empty)."""
+        self._ids.append(token_id)
+        before = self._tok.decode(self._ids[self._prefix : self._read], skip_special_tokens=self._skip)
+        after = self._tok.decode(self._ids[self._prefix :], skip_special_tokens=self._skip)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        delta = after[len(before) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        self.text += delta
+        return delta
+
+
+class StopStrings:
+    """Finds the first stop string in generated text, across token boundaries."""
+
+    def __init__(self, stops: Sequence[str], include_in_output: bool) -> None:
+        self.stops = tuple(stops)
+        self.include = include_in_output
+        #: Characters held back from a stream: they might be the start of a stop string.
+        self.holdback = max((len(s) for s in self.stops), default=1) - 1
+
+    def find(self, text: str, new_chars: int) -> tuple[str, str] | None:
+        """Search the part of ``text`` the last ``new_chars`` could complete.
+
+        :return: ``(text cut at the stop string, the stop string)`` or None.
+        """
+        if not self.stops or new_chars == 0:
+            return None
+        begin = max(0, len(text) - new_chars - self.holdback)
+        best: tuple[int, str] | None = None
+        for stop in self.stops:
+            i = text.find(stop, begin)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, stop)
+        if best is None:
+            return None
+        i, stop = best
+        return (text[: i + len(stop)] if self.include else text[:i]), stop

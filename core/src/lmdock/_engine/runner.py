@@ -1,0 +1,346 @@
+"""The generation loop that turns a step engine into a request engine.
+
+One background thread owns the step engine.  Callers submit requests from any thread; each loop
+iteration: (1) takes new requests and aborts from the inbox, (2) asks the scheduler for a plan,
+(3) runs one engine step over it, (4) samples for every sequence whose tokens are all computed,
+(5) appends tokens, detokenizes, checks stop conditions, releases finished sequences at once, and
+(6) reports to the sinks: every step for streaming requests, at the end for the others.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from lmdock._contract import EngineRequest, OutputSink, SeqChunk, StepEngine
+from lmdock._engine.detok import IncrementalDetokenizer, StopStrings
+from lmdock._engine.sampler import LogitsProcessor, Sample, Sampler, SampleRow, log_softmax
+from lmdock._engine.scheduler import Scheduler
+from lmdock._errors import EngineClosedError, LmdockError, RequestError
+from lmdock._outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+
+
+class _Seq:
+    """One completion of a request: its tokens, KV progress, sampling state and text."""
+
+    def __init__(self, seq_id: int, req: _Req, index: int, engine: StepEngine, processors: Sequence[LogitsProcessor]) -> None:
+        params = req.request.params
+        self.seq_id = seq_id
+        self.req = req
+        self.index = index
+        self.token_ids = list(req.request.prompt_token_ids)
+        self.prompt_len = len(self.token_ids)
+        self.num_computed = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        seed = np.random.default_rng() if params.seed is None else np.random.default_rng([params.seed, index])
+        self.row = SampleRow(params, self.token_ids, self.prompt_len, seed, engine.eos_token_ids, processors)
+        self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.detok = (
+            IncrementalDetokenizer(engine.tokenizer, self.token_ids, params.skip_special_tokens)
+            if params.detokenize
+            else None
+        )
+        self.stops = StopStrings(params.stop, params.include_stop_str_in_output)
+        self.text = ""
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    def visible_text(self) -> str:
+        if self.finish_reason is not None or not self.stops.stops:
+            return self.text
+        return self.text[: max(0, len(self.text) - self.stops.holdback)]
+
+
+class _Req:
+    def __init__(self, request: EngineRequest, sink: OutputSink) -> None:
+        self.request = request
+        self.sink = sink
+        self.seqs: list[_Seq] = []
+        want = request.params.prompt_logprobs
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = [None] if want is not None else None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+
+class StepRunner:
+    """A :class:`lmdock.RequestEngine` over a :class:`lmdock.StepEngine`."""
+
+    def __init__(
+        self,
+        engine: StepEngine,
+        scheduler: Scheduler,
+        sampler: Sampler,
+        processors_for: Callable[[Any], Sequence[LogitsProcessor]] = lambda params: (),
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_seq_len = engine.max_seq_len
+        self.generation_config = engine.generation_config
+        self.scheduler = scheduler
+        self.sampler = sampler
+        self._processors_for = processors_for
+        self._inbox: deque[tuple[str, Any]] = deque()
+        self._cv = threading.Condition()
+        self._reqs: dict[str, _Req] = {}
+        self._next_seq = 0
+        self._closing = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="lmdock-engine", daemon=True)
+        self._thread.start()
+
+    # -- the RequestEngine interface (any thread) ------------------------------------------------
+
+    def submit(self, request: EngineRequest, sink: OutputSink) -> None:
+        self._validate(request)
+        with self._cv:
+            if self._closing:
+                raise EngineClosedError("this LLM was shut down; create a new one")
+            self._inbox.append(("add", (request, sink)))
+            self._cv.notify()
+
+    def abort(self, request_id: str) -> None:
+        with self._cv:
+            self._inbox.append(("abort", request_id))
+            self._cv.notify()
+
+    def close(self) -> None:
+        with self._cv:
+            if self._closed:
+                return
+            self._closing = True
+            self._cv.notify()
+        self._thread.join()
+        self._closed = True
+        self.engine.close()
+
+    def stats(self) -> dict[str, int]:
+        """Live counts: requests, and sequences waiting and running (for tests and monitoring)."""
+        sched = self.scheduler
+        return {
+            "requests": len(self._reqs),
+            "waiting": len(getattr(sched, "waiting", ())),
+            "running": len(getattr(sched, "running", ())),
+        }
+
+    def _validate(self, request: EngineRequest) -> None:
+        ids, p = request.prompt_token_ids, request.params
+        if not ids:
+            raise RequestError("the prompt is empty: give at least one token or a non-empty string")
+        if len(ids) >= self.max_seq_len:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens but the model's context is {self.max_seq_len}; "
+                "shorten the prompt to leave room for the output"
+            )
+        vocab = self.engine.vocab_size
+        bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if p.stop and not p.detokenize:
+            raise RequestError("stop strings need detokenize=True; use stop_token_ids instead")
+        if p.beam_width > 1:
+            raise RequestError("beam search (beam_width > 1) is not supported by this engine yet")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(p, name)
+            if k is not None and k > vocab:
+                raise RequestError(f"{name}={k} is larger than the vocabulary ({vocab})")
+
+    # -- the loop (engine thread) -----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while self._iterate():
+                pass
+        except BaseException as exc:  # a bug in the loop: fail every request loudly, not silently
+            error = LmdockError(f"the engine loop stopped: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            for req in list(self._reqs.values()):
+                req.sink.fail(error)
+            self._reqs.clear()
+            raise
+
+    def _iterate(self) -> bool:
+        with self._cv:
+            while not self._inbox and not self.scheduler.has_work() and not self._closing:
+                self._cv.wait()
+            inbox, self._inbox = self._inbox, deque()
+            closing = self._closing
+        for kind, item in inbox:
+            self._add(*item) if kind == "add" else self._abort(item)
+        if closing:
+            for req in list(self._reqs.values()):
+                self._finish_request(req, "abort", error=EngineClosedError("the LLM was shut down"))
+            return False
+        if self.scheduler.has_work():
+            self._step()
+        return True
+
+    def _add(self, request: EngineRequest, sink: OutputSink) -> None:
+        req = _Req(request, sink)
+        processors = self._processors_for(request.params)
+        for index in range(request.params.n):
+            req.seqs.append(_Seq(self._next_seq, req, index, self.engine, processors))
+            self._next_seq += 1
+        try:
+            for seq in req.seqs:
+                self.scheduler.add(seq)
+        except LmdockError as exc:
+            for seq in req.seqs:
+                self.scheduler.remove(seq)
+            sink.fail(exc)
+            return
+        self._reqs[request.request_id] = req
+
+    def _abort(self, request_id: str) -> None:
+        req = self._reqs.get(request_id)
+        if req is not None:
+            self._finish_request(req, "abort")
+
+    def _finish_request(self, req: _Req, reason: str, error: BaseException | None = None) -> None:
+        for seq in req.seqs:
+            if seq.finish_reason is None:
+                seq.finish_reason = reason
+            self._release(seq)
+        self._reqs.pop(req.request.request_id, None)
+        if error is not None:
+            req.sink.fail(error)
+        else:
+            req.sink.put(self._snapshot(req))
+
+    def _release(self, seq: _Seq) -> None:
+        self.scheduler.remove(seq)
+        if seq.num_computed:
+            self.engine.release(seq.seq_id)
+            seq.num_computed = 0
+
+    def _step(self) -> None:
+        plan, preempted, failed = self.scheduler.schedule()
+        for seq in preempted:
+            self.engine.release(seq.seq_id)  # scheduler already reset num_computed
+        for seq, reason in failed:
+            self._finish_request(seq.req, "abort", error=RequestError(reason))
+        if not plan:
+            return
+        chunks = [self._chunk(seq, n) for seq, n in plan]
+        try:
+            out = self.engine.step(chunks)
+        except Exception as exc:  # the engine failed this batch: fail its requests, keep serving
+            for req in {id(s.req): s.req for s, _ in plan}.values():
+                self._finish_request(req, "abort", error=LmdockError(f"engine step failed: {type(exc).__name__}: {exc}"))
+            return
+        ready: list[int] = []
+        for i, (seq, n) in enumerate(plan):
+            if seq.req.prompt_logprobs is not None and seq.index == 0 and chunks[i].all_logits:
+                self._record_prompt_logprobs(seq, chunks[i], out.full[seq.seq_id])
+            seq.num_computed += n
+            if seq.num_computed == len(seq.token_ids):
+                ready.append(i)
+        if not ready:
+            return
+        seqs = [plan[i][0] for i in ready]
+        samples = self.sampler.sample(out.last[ready], [s.row for s in seqs])
+        touched: dict[int, _Req] = {}
+        for seq, sample in zip(seqs, samples):
+            self._append(seq, sample)
+            touched[id(seq.req)] = seq.req
+        for req in touched.values():
+            if req.finished:
+                self._reqs.pop(req.request.request_id, None)
+                req.sink.put(self._snapshot(req))
+            elif req.request.stream:
+                req.sink.put(self._snapshot(req))
+
+    def _chunk(self, seq: _Seq, n: int) -> SeqChunk:
+        start = seq.num_computed
+        want_all = (
+            seq.req.prompt_logprobs is not None
+            and seq.index == 0
+            and len(seq.req.prompt_logprobs) < seq.prompt_len
+        )
+        return SeqChunk(seq.seq_id, seq.token_ids[start : start + n], start, want_all)
+
+    def _record_prompt_logprobs(self, seq: _Seq, chunk: SeqChunk, full: np.ndarray) -> None:
+        plp = seq.req.prompt_logprobs
+        assert plp is not None  # noqa: S101 - guarded by the caller
+        k = seq.req.request.params.prompt_logprobs or 0
+        rows = [i for i in range(len(chunk.token_ids)) if chunk.start + i + 1 < seq.prompt_len]
+        if not rows:
+            return
+        lps = log_softmax(full[rows])
+        for r, lp in zip(rows, lps):
+            target = seq.token_ids[chunk.start + r + 1]
+            plp.append(self._position_logprobs(target, lp, k))
+
+    def _position_logprobs(self, token: int, lp: np.ndarray, k: int) -> PositionLogprobs:
+        decode = self.tokenizer.decode
+        entry = {token: Logprob(float(lp[token]), int((lp > lp[token]).sum()) + 1, decode([token]))}
+        if k:
+            top = np.argsort(-lp, kind="stable")[:k]
+            for rank, t in enumerate(top, start=1):
+                entry.setdefault(int(t), Logprob(float(lp[t]), rank, decode([int(t)])))
+        return entry
+
+    def _append(self, seq: _Seq, sample: Sample) -> None:
+        tok = sample.token
+        params = seq.row.params
+        seq.token_ids.append(tok)
+        if seq.logprobs is not None and sample.logprob is not None:
+            seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + sample.logprob
+            seq.logprobs.append(self._sample_logprobs(sample))
+        past_min = seq.num_output >= params.min_new_tokens
+        if past_min and not params.ignore_eos and tok in self.engine.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif past_min and tok in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", tok
+        by_token = seq.finish_reason is not None
+        if seq.detok is not None and (not by_token or params.include_stop_str_in_output):
+            delta = seq.detok.push(tok)
+            seq.text = seq.detok.text
+            hit = seq.stops.find(seq.text, len(delta)) if past_min and not by_token else None
+            if hit is not None:
+                seq.text, stop = hit
+                seq.finish_reason, seq.stop_reason = "stop", stop
+        if seq.finish_reason is None:
+            limit = params.max_new_tokens
+            if (limit is not None and seq.num_output >= limit) or len(seq.token_ids) >= self.max_seq_len:
+                seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            self._release(seq)
+
+    def _sample_logprobs(self, sample: Sample) -> PositionLogprobs:
+        decode = self.tokenizer.decode
+        entry = {sample.token: Logprob(sample.logprob or 0.0, sample.rank, decode([sample.token]))}
+        for rank, (t, lp) in enumerate(sample.top, start=1):
+            entry.setdefault(t, Logprob(lp, rank, decode([t])))
+        return entry
+
+    def _snapshot(self, req: _Req) -> RequestOutput:
+        outs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.visible_text(),
+                token_ids=s.token_ids[s.prompt_len :],
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in req.seqs
+        ]
+        return RequestOutput(
+            request_id=req.request.request_id,
+            prompt=req.request.prompt,
+            prompt_token_ids=list(req.request.prompt_token_ids),
+            outputs=outs,
+            finished=req.finished,
+            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
+        )

@@ -1,0 +1,54 @@
+"""The one error hierarchy of lmdock.
+
+Every error says what is wrong, where (file and key path, plugin and hook, request field) and what to
+do about it.  The CLI prints ``str(error)`` for these and never a traceback.
+"""
+
+from __future__ import annotations
+
+
+class LmdockError(Exception):
+    """Base class of every error lmdock raises on purpose."""
+
+
+class ConfigError(LmdockError, ValueError):
+    """A config file, or options passed in code, are invalid.
+
+    ``source`` is the file (or ``"<options>"``), ``key`` the dotted key path inside it.
+    """
+
+    def __init__(self, message: str, *, source: str | None = None, key: str | None = None) -> None:
+        self.source = source
+        self.key = key
+        where = ""
+        if source and key:
+            where = f"{source}: {key}: "
+        elif source:
+            where = f"{source}: "
+        elif key:
+            where = f"{key}: "
+        super().__init__(where + message)
+
+
+class BackendError(LmdockError):
+    """A backend is unknown, broken, unavailable, or declined the model."""
+
+
+class PluginError(BackendError):
+    """A plugin failed to import or register, or targets an incompatible plugin API."""
+
+
+class RequestError(LmdockError, ValueError):
+    """One request is invalid (empty prompt, too long, bad parameters).  Only that request fails."""
+
+
+class QueueFullError(LmdockError):
+    """The engine's waiting queue is full; retry later or raise ``scheduler.max_waiting``."""
+
+
+class EngineClosedError(LmdockError):
+    """The LLM was shut down; create a new one."""
+
+
+class UnsupportedError(LmdockError):
+    """A backend refuses something it cannot do (a quantization algorithm, an option), with the reason."""

@@ -1,0 +1,412 @@
+"""The ``LLM`` facade: one API over every backend, step or request engine."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import os
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Union
+
+from lmdock._config import SECTIONS, ConfigFile, find_config, load_config, model_config
+from lmdock._contract import BackendSpec, EngineRequest, RequestEngine
+from lmdock._errors import BackendError, ConfigError, LmdockError, RequestError
+from lmdock._outputs import RequestOutput
+from lmdock._params import ModelConfig, SamplingParams
+from lmdock._progress import Progress
+from lmdock._schema import build
+from lmdock._sinks import AsyncQueueSink, QueueSink, RequestFuture
+
+#: A prompt: text, or token ids (TensorRT-LLM style).
+Prompt = Union[str, Sequence[int]]
+#: Sampling parameters as a call takes them: complete params, overrides of the defaults, or None.
+ParamsArg = Union[SamplingParams, dict[str, Any], None]
+
+#: generation_config.json keys that become sampling defaults (only those the file sets explicitly).
+_GENERATION_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens")
+
+_ids = itertools.count()
+
+
+class LLM:
+    """A model on a backend, ready to generate.
+
+    :param model: a model name from the config file, a local path, or a hub id.
+    :param backend: a backend name, or ``"auto"``; overrides the config file's choice.
+    :param config: the config file; by default found as ``lmdock config check`` explains.
+    :param options: the keys of a ``[models.NAME]`` table (``build={"dtype": "float32"}``,
+        ``quantization=QuantConfig(...)``, ``sampling={...}``, ``backends={"hf": {...}}``...),
+        applied over the config file's entry.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        backend: str | None = None,
+        config: str | os.PathLike[str] | None = None,
+        **options: Any,
+    ) -> None:
+        self._engine: RequestEngine | None = None
+        if backend is not None:
+            options["backend"] = backend
+        self.model_config = resolve_model(model, config, options)
+        self._engine, self.backend = load_engine(self.model_config)
+        self.tokenizer = self._engine.tokenizer
+        self.max_model_len = self._engine.max_seq_len
+        self._defaults = self._default_params()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop the engine and free its memory.  Idempotent."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:  # best effort; shutdown() is the contract
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+    @property
+    def engine(self) -> RequestEngine:
+        if self._engine is None:
+            from lmdock._errors import EngineClosedError
+
+            raise EngineClosedError("this LLM was shut down; create a new one")
+        return self._engine
+
+    # -- sampling defaults ----------------------------------------------------------------------
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The parameters used when a call passes none: generation_config.json, then the config file."""
+        return self._defaults
+
+    def _default_params(self) -> SamplingParams:
+        gen = self.engine.generation_config or {}
+        fields = {k: gen[k] for k in _GENERATION_KEYS if gen.get(k) is not None}
+        if gen.get("do_sample") is False and "temperature" not in self.model_config.sampling:
+            fields["temperature"] = 0.0
+        fields = {k: v for k, v in fields.items() if k != "max_new_tokens" or v > 0}
+        fields.update(self.model_config.sampling)
+        try:
+            return build(SamplingParams, fields, source=self.model_config.source, prefix="sampling")
+        except ConfigError:  # a generation_config.json value we cannot honour: keep the file's layer out
+            return build(SamplingParams, dict(self.model_config.sampling), source=self.model_config.source, prefix="sampling")
+
+    def _params(self, params: ParamsArg) -> SamplingParams:
+        if params is None:
+            return self._defaults
+        if isinstance(params, SamplingParams):
+            return params
+        if isinstance(params, dict):
+            return build(SamplingParams, {**_explicit(self._defaults), **params}, source="<call>", prefix="sampling_params")
+        raise TypeError(f"sampling_params must be SamplingParams, a dict or None, not {type(params).__name__}")
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def _request(self, prompt: Prompt, params: SamplingParams, stream: bool = False, add_special_tokens: bool = True) -> EngineRequest:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("the prompt is empty: give at least one token or a non-empty string")
+            ids = self._tokenizer().encode(prompt, add_special_tokens=add_special_tokens)
+            text: str | None = prompt
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids, text = list(prompt), None
+        else:
+            raise RequestError(f"a prompt is a string or a list of token ids, not {type(prompt).__name__}: {prompt!r:.80}")
+        return EngineRequest(f"req-{next(_ids)}", text, ids, params, stream)
+
+    def _tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise RequestError(f"backend {self.backend.name!r} was loaded without a tokenizer; pass token ids")
+        return self.tokenizer
+
+    def _submit(self, request: EngineRequest) -> RequestFuture:
+        future = RequestFuture(request.request_id, self.engine.abort)
+        self.engine.submit(request, future)
+        return future
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: ParamsArg | Sequence[ParamsArg] = None,
+        *,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or a batch; returns one ``RequestOutput`` per prompt, in order.
+
+        A prompt is text or a list of token ids.  ``sampling_params`` is one for all prompts or a
+        list with one per prompt; a dict overrides fields of :meth:`get_default_sampling_params`.
+        """
+        batch = _as_batch(prompts)
+        plist = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(batch)
+        if len(plist) != len(batch):
+            raise RequestError(f"got {len(plist)} sampling_params for {len(batch)} prompts")
+        requests = [self._request(p, self._params(sp)) for p, sp in zip(batch, plist)]
+        return self._run_batch(requests, use_tqdm)
+
+    def _run_batch(self, requests: list[EngineRequest], use_tqdm: bool | None) -> list[RequestOutput]:
+        futures: list[RequestFuture] = []
+        try:
+            for i, req in enumerate(requests):
+                try:
+                    futures.append(self._submit(req))
+                except RequestError as exc:
+                    raise RequestError(f"prompt {i}: {exc}" if len(requests) > 1 else str(exc)) from None
+            progress = Progress(len(futures), use_tqdm if use_tqdm is not None else (None if len(futures) >= 16 else False))
+            results = []
+            for fut in futures:
+                out = fut.result()
+                progress.update(sum(len(o.token_ids) for o in out.outputs))
+                results.append(out)
+            return results
+        except BaseException:
+            for fut in futures:
+                fut.cancel()
+            raise
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: ParamsArg = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the chat template."""
+        if continue_final_message and add_generation_prompt:
+            raise RequestError("continue_final_message=True needs add_generation_prompt=False")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            self.render_chat(conv, chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs)
+            for conv in conversations  # type: ignore[arg-type]
+        ]
+        params = self._params(sampling_params)
+        # The template writes the special tokens itself (BOS...), so they are not added again.
+        requests = [self._request(p, params, add_special_tokens=False) for p in prompts]
+        return self._run_batch(requests, use_tqdm)
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The prompt text a conversation becomes."""
+        tok = self._tokenizer()
+        if chat_template is None and not getattr(tok, "chat_template", None):
+            raise RequestError(
+                f"model {self.model_config.model!r} has no chat template; pass chat_template=... "
+                "(a Jinja template) or use generate()"
+            )
+        try:
+            return tok.apply_chat_template(
+                messages,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **(chat_template_kwargs or {}),
+            )
+        except Exception as exc:
+            raise RequestError(f"the chat template failed: {type(exc).__name__}: {exc}") from None
+
+    def generate_async(self, prompt: Prompt, sampling_params: ParamsArg = None) -> RequestFuture:
+        """Submit one request; returns a future (``.result(timeout)``, ``await .aresult()``, ``.cancel()``)."""
+        return self._submit(self._request(prompt, self._params(sampling_params)))
+
+    def stream(self, prompt: Prompt, sampling_params: ParamsArg = None) -> Iterator[RequestOutput]:
+        """Yield cumulative snapshots of one request as it runs (synchronous); the last is finished."""
+        request = self._request(prompt, self._params(sampling_params), stream=True)
+        sink = QueueSink()
+        self.engine.submit(request, sink)
+        finished = False
+        try:
+            while True:
+                item = sink.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.engine.abort(request.request_id)
+
+    async def stream_generate(self, prompt: Prompt, sampling_params: ParamsArg = None) -> AsyncIterator[str]:
+        """Yield text deltas of one request as they are generated (furiosa-llm's ``stream_generate``).
+
+        The deltas join to exactly the text ``generate`` returns.  Closing the generator (or
+        cancelling the task) aborts the request and frees its state at once.
+        """
+        request = self._request(prompt, self._params(sampling_params), stream=True)
+        sink = AsyncQueueSink(asyncio.get_running_loop())
+        self.engine.submit(request, sink)
+        sent = 0
+        finished = False
+        try:
+            while True:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                text = item.outputs[0].text
+                if len(text) > sent:
+                    yield text[sent:]
+                    sent = len(text)
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.engine.abort(request.request_id)
+
+
+# -------------------------------------------------------------------------------------------------
+# resolving a model and loading its engine
+# -------------------------------------------------------------------------------------------------
+
+
+def resolve_model(model: str | os.PathLike[str] | None, config: str | os.PathLike[str] | None, options: dict[str, Any]) -> ModelConfig:
+    """Turn ``LLM(model, config=..., **options)`` into one validated :class:`ModelConfig`."""
+    path = find_config(config)
+    cfg: ConfigFile | None = load_config(path) if path is not None else None
+    name = str(model) if model is not None else None
+    if cfg is not None and (name is None or name in cfg.models):
+        if name is None:
+            name = cfg.default_model or (next(iter(cfg.models)) if len(cfg.models) == 1 else None)
+            if name is None:
+                raise ConfigError("several models and no default_model: name one", source=cfg.path)
+        return _overlay(cfg.model(name), options)
+    if name is None:
+        raise ConfigError("no model given and no config file found (looked for --config, $LMDOCK_CONFIG, ./lmdock.toml, ~/.config/lmdock/lmdock.toml)")
+    return model_config({"model": name, **options}, source="<options>", base_dir=Path.cwd())
+
+
+def _overlay(base: ModelConfig, options: dict[str, Any]) -> ModelConfig:
+    if not options:
+        return base
+    entry: dict[str, Any] = {"model": base.model}
+    entry.update({k: getattr(base, k) for k in ("backend", "fallback", "tokenizer", "revision", "trust_remote_code")})
+    for section in SECTIONS:
+        value = options.get(section)
+        entry[section] = getattr(base, section).replace(**value) if isinstance(value, dict) else (value or getattr(base, section))
+    entry["sampling"] = {**base.sampling, **_explicit_or_dict(options.get("sampling", {}))}
+    entry["backends"] = {**base.backends, **options.get("backends", {})}
+    for key in ("backend", "fallback", "tokenizer", "revision", "trust_remote_code", "model"):
+        if key in options:
+            entry[key] = options[key]
+    unknown = set(options) - set(entry)
+    if unknown:
+        raise ConfigError(f"unknown option {sorted(unknown)[0]!r}", source="<options>")
+    return model_config(entry, name=base.name, source=base.source or "<options>", base_dir=Path.cwd())
+
+
+def _explicit(params: SamplingParams) -> dict[str, Any]:
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+
+
+def _explicit_or_dict(value: Any) -> dict[str, Any]:
+    if isinstance(value, SamplingParams):
+        return _explicit(value)
+    return dict(value)
+
+
+def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]  # one token-id prompt
+    if isinstance(prompts, Sequence) and not prompts:
+        raise RequestError("no prompts given")
+    return list(prompts)  # type: ignore[arg-type]
+
+
+def load_engine(mc: ModelConfig) -> tuple[RequestEngine, BackendSpec]:
+    """Select the backend (with fallbacks and ``auto``), translate the config, load the engine."""
+    from lmdock._plugins import get_registry
+
+    registry = get_registry()
+    candidates = _candidates(mc, registry)
+    failures: list[tuple[str, LmdockError]] = []
+    for name in candidates:
+        try:
+            spec = registry.backend(name)
+            reason = spec.available()
+            if reason:
+                raise BackendError(f"backend {name!r} is not available here: {reason}")
+            engine = _load_one(spec, mc, registry)
+        except ConfigError:
+            raise  # the user's options are wrong: no fallback hides that
+        except LmdockError as exc:
+            failures.append((name, exc))
+            continue
+        if engine is not None:
+            return engine, spec
+        failures.append((name, BackendError(f"backend {name!r} declined model {mc.model!r}")))
+    if len(failures) == 1:
+        raise failures[0][1]
+    detail = "; ".join(f"{n}: {e}" for n, e in failures) or "no backend is installed (pip install lmdock-hf)"
+    raise BackendError(f"no backend could load {mc.model!r}: {detail}")
+
+
+def _candidates(mc: ModelConfig, registry: Any) -> list[str]:
+    names: list[str] = []
+    for name in (mc.backend, *mc.fallback):
+        if name == "auto":
+            ranked = sorted(registry.backends.values(), key=lambda s: -s.priority)
+            names += [s.name for s in ranked if s.available() is None and s.name not in names]
+            if not ranked:
+                raise BackendError("backend 'auto': no backend is installed; pip install lmdock-hf (or lmdock-onnx, lmdock-mlx, lmdock-vllm)")
+        elif name not in names:
+            names.append(name)
+    return names
+
+
+def _load_one(spec: BackendSpec, mc: ModelConfig, registry: Any) -> RequestEngine | None:
+    hook = registry.hook()
+    prefix = f"models.{mc.name}.backends.{spec.name}" if mc.name else f"backends.{spec.name}"
+    raw = mc.backend_options(spec.name)
+    options = build(spec.options, raw, source=mc.source, prefix=prefix) if spec.options else raw
+    quant = None
+    if mc.quantization.enabled:
+        quant = hook.lmdock_translate_quantization(backend=spec.name, quant=mc.quantization, model_config=mc)
+        if quant is None:
+            from lmdock._errors import UnsupportedError
+
+            raise UnsupportedError(f"backend {spec.name!r} cannot quantize ({mc.quantization.algo!r}); remove [quantization] or pick another backend")
+    build_args = hook.lmdock_translate_build_config(backend=spec.name, model_config=mc) or {}
+    engine = hook.lmdock_load_engine(backend=spec.name, model_config=mc, options=options, quantization=quant, build=build_args)
+    if engine is None or spec.kind == "request":
+        return engine
+    return _wrap_step_engine(engine, spec, mc, hook)
+
+
+def _wrap_step_engine(engine: Any, spec: BackendSpec, mc: ModelConfig, hook: Any) -> RequestEngine:
+    from lmdock._engine.runner import StepRunner
+
+    scheduler = hook.lmdock_make_scheduler(config=mc.scheduler, max_seq_len=engine.max_seq_len, kv_capacity_tokens=engine.kv_capacity_tokens)
+    if scheduler is None:
+        engine.close()
+        raise ConfigError(f"no plugin provides scheduling policy {mc.scheduler.policy!r}", source=mc.source, key="scheduler.policy")
+    sampler = hook.lmdock_make_sampler(backend=spec.name, model_config=mc)
+
+    def processors_for(params: SamplingParams) -> list[Any]:
+        return [p for group in hook.lmdock_logits_processors(params=params) if group for p in group]
+
+    return StepRunner(engine, scheduler, sampler, processors_for)

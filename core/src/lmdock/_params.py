@@ -1,0 +1,245 @@
+"""Portable, validated configuration types shared by every backend.
+
+Each type is a frozen dataclass that holds its defaults in one place and validates itself on
+construction: an invalid value raises ``ValueError`` (a :class:`~lmdock._schema.FieldError`) naming
+the field and the allowed range.  Backends translate these into their engine's own arguments, or
+refuse with a reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from lmdock._schema import check
+
+_INF = float("inf")
+
+
+def _range(name: str, value: float | None, lo: float, hi: float = _INF, *, lo_open: bool = False) -> None:
+    if value is None:
+        return
+    ok = (value > lo if lo_open else value >= lo) and value <= hi
+    bracket = "(" if lo_open else "["
+    upper = "inf)" if hi == _INF else f"{hi}]"
+    check(ok, name, f"must be in {bracket}{lo}, {upper}, got {value!r}")
+
+
+def _int(name: str, value: Any, lo: int, *, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    check(isinstance(value, int) and not isinstance(value, bool), name, f"must be an integer, got {value!r}")
+    check(value >= lo, name, f"must be >= {lo}, got {value!r}")
+
+
+class _Replaceable:
+    def replace(self, **changes: Any) -> Any:
+        """Return a copy with ``changes`` applied (and validated)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+
+@dataclass(frozen=True)
+class SamplingParams(_Replaceable):
+    """How to sample one request: the fields of Modular MAX's and vLLM's ``SamplingParams``.
+
+    Processing order (the reference sampler's, and the semantics every backend must keep):
+    penalties (repetition over prompt and output, frequency and presence over output) ->
+    min_new_tokens masking of EOS and stop tokens -> temperature (0 is greedy) -> min_p -> top_k ->
+    top_p -> draw with the request's own seeded generator.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int | None = 16
+    min_new_tokens: int = 0
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.top_k == -1:  # vLLM's spelling of "disabled"
+            object.__setattr__(self, "top_k", 0)
+        _int("n", self.n, 1, optional=False)
+        _range("temperature", self.temperature, 0.0)
+        _int("top_k", self.top_k, 0, optional=False)
+        _range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _range("min_p", self.min_p, 0.0, 1.0)
+        _range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _range("repetition_penalty", self.repetition_penalty, 0.0, lo_open=True)
+        _int("max_new_tokens", self.max_new_tokens, 1)
+        _int("min_new_tokens", self.min_new_tokens, 0, optional=False)
+        if self.max_new_tokens is not None:
+            check(
+                self.min_new_tokens <= self.max_new_tokens,
+                "min_new_tokens",
+                f"must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_new_tokens}",
+            )
+        for s in self.stop:
+            check(isinstance(s, str) and s != "", "stop", f"stop strings must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            check(isinstance(t, int) and t >= 0, "stop_token_ids", f"must be token ids >= 0, got {t!r}")
+        _int("seed", self.seed, 0)
+        _int("logprobs", self.logprobs, 0)
+        _int("prompt_logprobs", self.prompt_logprobs, 0)
+        _int("beam_width", self.beam_width, 1, optional=False)
+        if self.beam_width > 1:
+            check(self.temperature == 0.0 or self.temperature == 1.0, "temperature",
+                  "beam search is deterministic; leave temperature at 0 or 1")
+            check(self.n <= self.beam_width, "n", f"must be <= beam_width ({self.beam_width}), got {self.n}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax (temperature 0 or top_k 1)."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class QuantConfig(_Replaceable):
+    """Portable quantization request; each backend translates it or refuses with a reason."""
+
+    algo: Literal[
+        "none", "int8_weight_only", "int4_weight_only", "int8_dynamic", "awq", "gptq", "fp8"
+    ] = "none"
+    group_size: int | None = None
+    checkpoint_prequantized: bool = False
+
+    def __post_init__(self) -> None:
+        if self.group_size is not None:
+            check(self.group_size in (32, 64, 128, 256), "group_size",
+                  f"must be one of 32, 64, 128, 256, got {self.group_size!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.algo != "none"
+
+
+@dataclass(frozen=True)
+class BuildConfig(_Replaceable):
+    """Portable engine limits and build options (TensorRT-LLM's BuildConfig, vLLM's engine args)."""
+
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    device: str = "auto"
+    max_batch_size: int | None = None
+    max_num_tokens: int | None = None
+    max_seq_len: int | None = None
+    max_beam_width: int = 1
+    compile: bool = False
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor: Literal["auto", "mp", "ray"] = "auto"
+
+    def __post_init__(self) -> None:
+        _int("max_batch_size", self.max_batch_size, 1)
+        _int("max_num_tokens", self.max_num_tokens, 1)
+        _int("max_seq_len", self.max_seq_len, 1)
+        _int("max_beam_width", self.max_beam_width, 1, optional=False)
+        _int("tensor_parallel_size", self.tensor_parallel_size, 1, optional=False)
+        _int("pipeline_parallel_size", self.pipeline_parallel_size, 1, optional=False)
+
+
+@dataclass(frozen=True)
+class KvCacheConfig(_Replaceable):
+    """Portable KV-cache settings."""
+
+    dtype: Literal["auto", "float32", "float16", "bfloat16", "fp8", "int8"] = "auto"
+    max_tokens: int | None = None
+    memory_fraction: float | None = None
+    cpu_space_gib: float | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _int("max_tokens", self.max_tokens, 1)
+        _range("memory_fraction", self.memory_fraction, 0.0, 1.0, lo_open=True)
+        _range("cpu_space_gib", self.cpu_space_gib, 0.0, lo_open=True)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig(_Replaceable):
+    """How requests are ordered and batched (the core's scheduler for step engines)."""
+
+    policy: str = "fcfs"
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    max_waiting: int = 4096
+
+    def __post_init__(self) -> None:
+        _int("max_num_seqs", self.max_num_seqs, 1, optional=False)
+        _int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=False)
+        _int("max_waiting", self.max_waiting, 1, optional=False)
+        check(bool(self.policy), "policy", "must name a scheduling policy, such as 'fcfs'")
+
+
+@dataclass(frozen=True)
+class OffloadPolicy(_Replaceable):
+    """Where weights and KV cache live, FlexLLMGen-style percentages; the rest goes to the next tier.
+
+    Weights: ``weights_gpu_percent`` on the accelerator, ``weights_cpu_percent`` in RAM, the rest on
+    disk under ``offload_dir``.
+    """
+
+    weights_gpu_percent: float = 100.0
+    weights_cpu_percent: float = 0.0
+    offload_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        _range("weights_gpu_percent", self.weights_gpu_percent, 0.0, 100.0)
+        _range("weights_cpu_percent", self.weights_cpu_percent, 0.0, 100.0)
+        total = self.weights_gpu_percent + self.weights_cpu_percent
+        check(total <= 100.0, "weights_cpu_percent",
+              f"weights_gpu_percent + weights_cpu_percent must be <= 100, got {total}")
+        if total < 100.0:
+            check(self.offload_dir is not None, "offload_dir",
+                  f"{100 - total:g}% of the weights go to disk: set offload_dir to a folder")
+
+    @property
+    def enabled(self) -> bool:
+        return self.weights_gpu_percent < 100.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A resolved model entry: what a backend's load hook receives."""
+
+    model: str
+    name: str | None = None
+    backend: str = "auto"
+    fallback: tuple[str, ...] = ()
+    tokenizer: str | None = None
+    revision: str | None = None
+    trust_remote_code: bool = False
+    quantization: QuantConfig = field(default_factory=QuantConfig)
+    build: BuildConfig = field(default_factory=BuildConfig)
+    kv_cache: KvCacheConfig = field(default_factory=KvCacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    offload: OffloadPolicy = field(default_factory=OffloadPolicy)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    backends: dict[str, Any] = field(default_factory=dict)
+    source: str | None = None
+
+    def __post_init__(self) -> None:
+        check(bool(self.model), "model", "must be a local path or a hub id")
+
+    def backend_options(self, backend: str) -> dict[str, Any]:
+        """The raw ``[models.NAME.backends.BACKEND]`` table (validated by that backend)."""
+        return dict(self.backends.get(backend, {}))

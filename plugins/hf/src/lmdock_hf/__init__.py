@@ -1,0 +1,93 @@
+"""lmdock-hf: the transformers backend.
+
+This module is the entry point: it declares the backend and its options and imports neither torch
+nor transformers.  The engine lives in ``lmdock_hf._engine`` and is imported when a model loads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import lmdock
+from lmdock import BackendSpec, ModelConfig
+
+__version__ = "0.1.0"
+
+
+@dataclass(frozen=True)
+class HFOptions:
+    """``[models.NAME.backends.hf]``: options of the transformers backend."""
+
+    attn_implementation: Literal["auto", "sdpa", "eager"] = "auto"
+    num_threads: int | None = None
+    low_cpu_mem_usage: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+
+
+def _available() -> str | None:
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"{' and '.join(missing)} not installed; pip install torch==<your build> lmdock-hf"
+    return None
+
+
+SPEC = BackendSpec(
+    name="hf",
+    kind="step",
+    plugin_api="1.0",
+    supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs"}),
+    lacks={
+        "beam_search": "the core's beam search is not implemented yet",
+        "next_token_logprobs": "the core's next_token_logprobs is not implemented yet",
+        "embed": "embedding models are not wired into lmdock-hf yet",
+        "score": "scoring is not wired into lmdock-hf yet",
+        "quantization": "no QuantConfig algorithm is implemented in lmdock-hf yet",
+        "offload": "OffloadPolicy is not implemented in lmdock-hf yet",
+    },
+    requires=("torch", "transformers"),
+    package="lmdock-hf",
+    version=__version__,
+    available=_available,
+    options=HFOptions,
+    priority=10,
+    description="Hugging Face transformers (CPU, CUDA, MPS)",
+)
+
+
+@lmdock.hookimpl
+def lmdock_register_backends(register: Any) -> None:
+    register(SPEC)
+
+
+@lmdock.hookimpl
+def lmdock_translate_build_config(backend: str, model_config: ModelConfig) -> dict[str, Any] | None:
+    if backend != "hf":
+        return None
+    b = model_config.build
+    if b.tensor_parallel_size > 1 or b.pipeline_parallel_size > 1:
+        raise lmdock.UnsupportedError("lmdock-hf runs on one device; tensor/pipeline parallelism needs lmdock-vllm or lmdock-trtllm")
+    if b.max_beam_width > 1:
+        raise lmdock.UnsupportedError("lmdock-hf does not do beam search yet (build.max_beam_width must be 1)")
+    return {
+        "dtype": b.dtype,
+        "device": b.device,
+        "max_seq_len": b.max_seq_len,
+        "kv_max_tokens": model_config.kv_cache.max_tokens,
+        "compile": b.compile,
+    }
+
+
+@lmdock.hookimpl
+def lmdock_load_engine(backend: str, model_config: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> Any:
+    if backend != "hf":
+        return None
+    if model_config.offload.enabled:
+        raise lmdock.UnsupportedError("lmdock-hf does not implement OffloadPolicy yet; remove [offload]")
+    from lmdock_hf._engine import HFStepEngine
+
+    return HFStepEngine.load(model_config, options, build)

@@ -1,0 +1,279 @@
+"""The transformers step engine.
+
+KV state lives in a slot cache: per layer, one tensor ``[slots, kv_heads, length, head_dim]``, one
+slot per live sequence, kept compact (a released slot is refilled by the last one), so a decode
+batch of every running sequence is a zero-copy view of the first slots.  The model sees the cache
+through ``_BatchView``, which has the one method attention layers call (``update``), and a 4D
+additive mask that lets each row attend to its own positions only; transformers returns such a mask
+as it is.  Each step runs one forward for all single-token (decode) chunks and one per prefill chunk,
+so no row is padded along the query axis.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lmdock import BackendError, ModelConfig, SeqChunk, StepOutput
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class SlotKVCache:
+    def __init__(self, device: torch.device, dtype: torch.dtype, max_len: int) -> None:
+        self.device, self.dtype, self.max_len = device, dtype, max_len
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.slot_of: dict[int, int] = {}
+        self.seq_at: list[int] = []
+        self.cap_slots = 0
+        self.cap_len = 0
+
+    def slot(self, seq_id: int) -> int:
+        if seq_id not in self.slot_of:
+            self.slot_of[seq_id] = len(self.seq_at)
+            self.seq_at.append(seq_id)
+        return self.slot_of[seq_id]
+
+    def reserve(self, slots: int, length: int) -> None:
+        """Grow (by doubling) so ``slots`` slots of ``length`` positions fit."""
+        new_slots, new_len = self.cap_slots, self.cap_len
+        while new_slots < slots:
+            new_slots = max(4, new_slots * 2)
+        while new_len < length:
+            new_len = min(self.max_len, max(64, new_len * 2))
+        if (new_slots, new_len) == (self.cap_slots, self.cap_len):
+            return
+        for layer in range(len(self.k)):
+            self.k[layer] = self._grown(self.k[layer], new_slots, new_len)
+            self.v[layer] = self._grown(self.v[layer], new_slots, new_len)
+        self.cap_slots, self.cap_len = new_slots, new_len
+
+    def _grown(self, t: torch.Tensor, slots: int, length: int) -> torch.Tensor:
+        out = torch.zeros((slots, t.shape[1], length, t.shape[3]), dtype=t.dtype, device=t.device)
+        out[: t.shape[0], :, : t.shape[2]] = t
+        return out
+
+    def layer(self, idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        while len(self.k) <= idx:  # allocated at the first write: heads and dims come from the model
+            shape = (self.cap_slots, like.shape[1], self.cap_len, like.shape[3])
+            self.k.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
+            self.v.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
+        return self.k[idx], self.v[idx]
+
+    def release(self, seq_id: int) -> None:
+        slot = self.slot_of.pop(seq_id, None)
+        if slot is None:
+            return
+        last = len(self.seq_at) - 1
+        if slot != last:  # keep slots compact: move the last sequence into the hole
+            for k, v in zip(self.k, self.v):
+                k[slot].copy_(k[last])
+                v[slot].copy_(v[last])
+            moved = self.seq_at[last]
+            self.seq_at[slot] = moved
+            self.slot_of[moved] = slot
+        self.seq_at.pop()
+
+    def copy(self, src: int, dst: int, length: int) -> None:
+        s, d = self.slot_of[src], self.slot(dst)
+        self.reserve(len(self.seq_at), length)
+        for k, v in zip(self.k, self.v):
+            k[d, :, :length] = k[s, :, :length]
+            v[d, :, :length] = v[s, :, :length]
+
+
+class _BatchView:
+    """What the model sees as ``past_key_values`` for one forward over some slots."""
+
+    is_compileable = False
+
+    def __init__(self, cache: SlotKVCache, slots: list[int], starts: list[int], width: int, kv_len: int) -> None:
+        self.cache = cache
+        self.starts = starts
+        self.width = width
+        self.kv_len = kv_len
+        dev = cache.device
+        self.contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+        self.slots = slots
+        self.slot_t = torch.tensor(slots, device=dev)
+        self.start_t = torch.tensor(starts, device=dev)
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, cache_kwargs: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        K, V = self.cache.layer(layer_idx, key)
+        if self.width == 1:
+            K[self.slot_t, :, self.start_t] = key[:, :, 0]
+            V[self.slot_t, :, self.start_t] = value[:, :, 0]
+        else:  # one prefill row
+            s, a = self.slots[0], self.starts[0]
+            K[s, :, a : a + self.width] = key[0]
+            V[s, :, a : a + self.width] = value[0]
+        if self.contiguous:
+            lo, hi = self.slots[0], self.slots[0] + len(self.slots)
+            return K[lo:hi, :, : self.kv_len], V[lo:hi, :, : self.kv_len]
+        return K[self.slot_t, :, : self.kv_len], V[self.slot_t, :, : self.kv_len]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.kv_len - self.width
+
+
+class HFStepEngine:
+    """A transformers causal LM as an lmdock step engine."""
+
+    def __init__(self, model: Any, tokenizer: Any, device: torch.device, max_seq_len: int, kv_max_tokens: int | None, generation_config: dict[str, Any]) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        self.max_seq_len = max_seq_len
+        self.kv_capacity_tokens = kv_max_tokens
+        self.generation_config = generation_config
+        self.vocab_size = int(model.config.get_text_config().vocab_size)
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.dtype = next(model.parameters()).dtype
+        self.cache = SlotKVCache(device, self.dtype, max_seq_len)
+        self.forward_calls = 0
+
+    # -- loading --------------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, mc: ModelConfig, options: Any, build: dict[str, Any]) -> HFStepEngine:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if options.num_threads:
+            torch.set_num_threads(options.num_threads)
+        device = _device(build.get("device", "auto"))
+        dtype = _dtype(build.get("dtype", "auto"), device)
+        kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": mc.trust_remote_code, "revision": mc.revision}
+        if options.attn_implementation != "auto":
+            kwargs["attn_implementation"] = options.attn_implementation
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer or mc.model, trust_remote_code=mc.trust_remote_code, revision=mc.revision)
+            model = AutoModelForCausalLM.from_pretrained(mc.model, low_cpu_mem_usage=options.low_cpu_mem_usage, **kwargs)
+        except (OSError, ValueError) as exc:
+            raise BackendError(
+                f"lmdock-hf could not load {mc.model!r}: {exc}. Pass a local folder, or a hub id that is "
+                "already in the Hugging Face cache when HF_HUB_OFFLINE=1 is set."
+            ) from exc
+        model.to(device).eval()
+        model.requires_grad_(False)
+        limit = _context_length(model, tokenizer)
+        max_seq_len = min(build["max_seq_len"], limit) if build.get("max_seq_len") else limit
+        return cls(model, tokenizer, device, max_seq_len, build.get("kv_max_tokens"), _generation_config(mc.model))
+
+    # -- the step-engine contract ---------------------------------------------------------------
+
+    def step(self, chunks: Sequence[SeqChunk]) -> StepOutput:
+        cache = self.cache
+        for c in chunks:
+            cache.slot(c.seq_id)
+        cache.reserve(len(cache.seq_at), max(c.start + len(c.token_ids) for c in chunks))
+        last = np.empty((len(chunks), self.vocab_size), dtype=np.float32)
+        full: dict[int, np.ndarray] = {}
+        decode = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1 and not c.all_logits]
+        decode.sort(key=lambda i: cache.slot_of[chunks[i].seq_id])
+        with torch.inference_mode():
+            if decode:
+                last[decode] = self._forward([chunks[i] for i in decode], all_logits=False)
+            for i, c in enumerate(chunks):
+                if i in decode:
+                    continue
+                logits = self._forward([c], all_logits=c.all_logits)
+                last[i] = logits[-1]
+                if c.all_logits:
+                    full[c.seq_id] = logits
+        return StepOutput(last, full)
+
+    def _forward(self, chunks: list[SeqChunk], all_logits: bool) -> np.ndarray:
+        """One forward over chunks of equal width; logits [rows, vocab] (or [width, vocab])."""
+        width = len(chunks[0].token_ids)
+        starts = [c.start for c in chunks]
+        kv_len = max(starts) + width
+        view = _BatchView(self.cache, [self.cache.slot_of[c.seq_id] for c in chunks], starts, width, kv_len)
+        ids = torch.tensor([list(c.token_ids) for c in chunks], device=self.device)
+        pos = view.start_t[:, None] + torch.arange(width, device=self.device)[None, :]
+        keys = torch.arange(kv_len, device=self.device)
+        allowed = keys[None, None, :] <= pos[:, :, None]  # [rows, width, kv_len]
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask[:, None],
+            position_ids=pos,
+            past_key_values=view,
+            use_cache=True,
+            logits_to_keep=0 if all_logits else 1,
+        )
+        self.forward_calls += 1
+        logits = out.logits.float()
+        return (logits[0] if all_logits else logits[:, -1]).cpu().numpy()
+
+    def release(self, seq_id: int) -> None:
+        self.cache.release(seq_id)
+
+    def fork(self, src_seq_id: int, dst_seq_id: int, length: int) -> bool:
+        self.cache.copy(src_seq_id, dst_seq_id, length)
+        return True
+
+    def close(self) -> None:
+        self.cache = SlotKVCache(self.device, self.dtype, self.max_seq_len)
+        self.model = None
+
+
+def _device(name: str) -> torch.device:
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def _dtype(name: str, device: torch.device) -> Any:
+    if name != "auto":
+        return _DTYPES[name]
+    # float32 on CPU (half precision is slow or missing there); the checkpoint's dtype on accelerators
+    return torch.float32 if device.type == "cpu" else "auto"
+
+
+def _context_length(model: Any, tokenizer: Any) -> int:
+    cfg = model.config.get_text_config()
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(cfg, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    value = getattr(tokenizer, "model_max_length", None)
+    return value if isinstance(value, int) and 0 < value < 10**7 else 2048
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen = getattr(model, "generation_config", None)
+    for value in (getattr(gen, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.append(value)
+        elif isinstance(value, (list, tuple)):
+            ids += [int(v) for v in value]
+    return tuple(dict.fromkeys(ids))
+
+
+def _generation_config(model: str) -> dict[str, Any]:
+    """The explicit keys of generation_config.json (a local folder; hub ids use the cached file)."""
+    path = Path(model) / "generation_config.json"
+    if not path.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(model, "generation_config.json")
+            path = Path(cached) if isinstance(cached, str) else path
+        except Exception:
+            return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
