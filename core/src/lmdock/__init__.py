@@ -71,11 +71,10 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "CAPABILITIES",
-    "PLUGIN_API_VERSION",
     "BackendError",
     "BackendSpec",
     "BuildConfig",
+    "CAPABILITIES",
     "CompletionOutput",
     "ConfigError",
     "ConfigFile",
@@ -89,6 +88,7 @@ __all__ = [
     "ModelConfig",
     "OffloadPolicy",
     "OutputSink",
+    "PLUGIN_API_VERSION",
     "PluginError",
     "QuantConfig",
     "QueueFullError",

@@ -152,17 +152,14 @@ class LLM:
         plist = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(batch)
         if len(plist) != len(batch):
             raise RequestError(f"got {len(plist)} sampling_params for {len(batch)} prompts")
-        requests = [self._request(p, self._params(sp)) for p, sp in zip(batch, plist)]
+        requests = [_indexed(i, len(batch), self._request, p, self._params(sp)) for i, (p, sp) in enumerate(zip(batch, plist))]
         return self._run_batch(requests, use_tqdm)
 
     def _run_batch(self, requests: list[EngineRequest], use_tqdm: bool | None) -> list[RequestOutput]:
         futures: list[RequestFuture] = []
         try:
             for i, req in enumerate(requests):
-                try:
-                    futures.append(self._submit(req))
-                except RequestError as exc:
-                    raise RequestError(f"prompt {i}: {exc}" if len(requests) > 1 else str(exc)) from None
+                futures.append(_indexed(i, len(requests), self._submit, req))
             progress = Progress(len(futures), use_tqdm if use_tqdm is not None else (None if len(futures) >= 16 else False))
             results = []
             for fut in futures:
@@ -196,7 +193,7 @@ class LLM:
         ]
         params = self._params(sampling_params)
         # The template writes the special tokens itself (BOS...), so they are not added again.
-        requests = [self._request(p, params, add_special_tokens=False) for p in prompts]
+        requests = [_indexed(i, len(prompts), self._request, p, params, add_special_tokens=False) for i, p in enumerate(prompts)]
         return self._run_batch(requests, use_tqdm)
 
     def render_chat(
@@ -315,6 +312,16 @@ def _overlay(base: ModelConfig, options: dict[str, Any]) -> ModelConfig:
     if unknown:
         raise ConfigError(f"unknown option {sorted(unknown)[0]!r}", source="<options>")
     return model_config(entry, name=base.name, source=base.source or "<options>", base_dir=Path.cwd())
+
+
+def _indexed(i: int, total: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn``; in a batch, a bad request's error says which prompt it was."""
+    try:
+        return fn(*args, **kwargs)
+    except RequestError as exc:
+        if total == 1:
+            raise
+        raise RequestError(f"prompt {i}: {exc}") from None
 
 
 def _explicit(params: SamplingParams) -> dict[str, Any]:

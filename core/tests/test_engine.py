@@ -1,0 +1,268 @@
+"""The core's generation loop over the FAKE step backend: batching, stopping, streaming, aborts."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fakes import PIECES, FakePlugin, FakeStepEngine, FakeTokenizer
+
+from lmdock import LLM, FcfsScheduler, QueueFullError, RequestError, SamplingParams, SchedulerConfig
+from lmdock._engine.detok import IncrementalDetokenizer
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+
+
+def tok(piece: str) -> int:
+    return PIECES.index(piece)
+
+
+def scripted(pieces: list[str]) -> FakeStepEngine:
+    """An engine whose n-th generated token is pieces[n], for a prompt of BOS and one token."""
+
+    def logits(tokens: list[int]) -> np.ndarray:
+        out = np.zeros(len(PIECES), dtype=np.float32)
+        n_out = len(tokens) - 2
+        out[tok(pieces[min(n_out, len(pieces) - 1)])] = 10.0
+        return out
+
+    return FakeStepEngine(logits_fn=logits)
+
+
+def greedy_reference(engine: FakeStepEngine, prompt: list[int], n: int) -> list[int]:
+    toks = list(prompt)
+    for _ in range(n):
+        toks.append(int(engine.logits_fn(toks).argmax()))
+    return toks[len(prompt):]
+
+
+def test_greedy_follows_the_model(fake: FakePlugin) -> None:
+    with LLM("m", backend="fake") as llm:
+        out = llm.generate("abc", GREEDY)[0]
+        ref = greedy_reference(fake.engines[0], out.prompt_token_ids, 12)
+        assert out.outputs[0].token_ids == ref
+        assert out.outputs[0].text == FakeTokenizer().decode(ref, skip_special_tokens=True)
+        assert out.finished and out.outputs[0].finish_reason == "length"
+
+
+PROMPTS = ["a", "bb", "cde", "hello world", "xyz", "ab ab", "q", "the cat", "z", "mm", "lorem ipsum", "k", "no", "yes", "ok.", "fin!"]
+
+
+def test_batched_equals_alone_greedy_and_seeded(fake: FakePlugin) -> None:
+    with LLM("m", backend="fake", scheduler={"max_num_seqs": 16}) as llm:
+        for params in (GREEDY, SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_new_tokens=10, ignore_eos=True)):
+            batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+            alone = [llm.generate(p, params)[0].outputs[0].token_ids for p in PROMPTS]
+            assert batched == alone
+        assert fake.engines[0].max_live == 16  # they really ran together
+
+
+def test_continuous_batching_respects_max_num_seqs_and_chunks_prefill(fake: FakePlugin) -> None:
+    long_prompt = "abcdefghijklmnopqrstuvwxyz" * 2
+    with LLM("m", backend="fake") as free:
+        want = [o.outputs[0].token_ids for o in free.generate([long_prompt, *PROMPTS[:5]], GREEDY)]
+    with LLM("m", backend="fake", scheduler={"max_num_seqs": 2, "max_num_batched_tokens": 8}) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate([long_prompt, *PROMPTS[:5]], GREEDY)]
+        assert fake.engines[-1].max_live <= 2
+    assert got == want
+
+
+def test_kv_capacity_preempts_newest_and_recomputes(fake: FakePlugin) -> None:
+    params = SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True)
+    with LLM("m", backend="fake") as free:
+        want = [o.outputs[0].token_ids for o in free.generate(PROMPTS[:6], params)]
+    fake.factory = lambda: FakeStepEngine(kv_capacity_tokens=60)
+    with LLM("m", backend="fake") as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:6], params)]
+        eng = fake.engines[-1]
+    assert got == want
+    assert eng.restarts > 0  # some sequences were preempted and recomputed
+    assert eng.max_tokens <= 60
+
+
+def test_waiting_queue_refuses_when_full() -> None:
+    class S:
+        def __init__(self) -> None:
+            self.token_ids, self.num_computed, self.seq_id = [1, 2], 0, 0
+
+    sched = FcfsScheduler(SchedulerConfig(max_waiting=2), max_seq_len=64, kv_capacity_tokens=None)
+    sched.add(S())
+    sched.add(S())
+    with pytest.raises(QueueFullError, match="max_waiting"):
+        sched.add(S())
+
+
+def test_stop_string_spanning_tokens(fake: FakePlugin) -> None:
+    fake.factory = lambda: scripted(["ab", "cde", "xyz", "a", "b"])
+    with LLM("m", backend="fake") as llm:
+        out = llm.generate("q", SamplingParams(temperature=0, max_new_tokens=10, stop=["bcd"]))[0].outputs[0]
+        assert (out.text, out.finish_reason, out.stop_reason) == ("a", "stop", "bcd")
+        assert out.token_ids == [tok("ab"), tok("cde")]
+        kept = llm.generate("q", SamplingParams(temperature=0, max_new_tokens=10, stop=["dex"], include_stop_str_in_output=True))[0].outputs[0]
+        assert kept.text == "abcdex"
+
+
+def test_stop_token_ids_and_eos(fake: FakePlugin) -> None:
+    fake.factory = lambda: scripted(["a", "b", "c", "</s>", "d"])
+    with LLM("m", backend="fake") as llm:
+        out = llm.generate("q", SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=[tok("c")]))[0].outputs[0]
+        assert (out.text, out.finish_reason, out.stop_reason) == ("ab", "stop", tok("c"))
+        eos = llm.generate("q", SamplingParams(temperature=0, max_new_tokens=10))[0].outputs[0]
+        assert (eos.text, eos.finish_reason, eos.token_ids[-1]) == ("abc", "stop", 2)
+        ignored = llm.generate("q", SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))[0].outputs[0]
+        assert (len(ignored.token_ids), ignored.finish_reason) == (6, "length")
+        assert 2 in ignored.token_ids
+
+
+def test_min_new_tokens_holds_off_eos(fake: FakePlugin) -> None:
+    fake.factory = lambda: scripted(["</s>"])
+    with LLM("m", backend="fake") as llm:
+        out = llm.generate("q", SamplingParams(temperature=0, max_new_tokens=20, min_new_tokens=5))[0].outputs[0]
+        assert len(out.token_ids) == 6 and 2 not in out.token_ids[:5] and out.token_ids[5] == 2
+        assert out.finish_reason == "stop"
+
+
+def test_n_completions_are_independent_and_seeded(fake: FakePlugin) -> None:
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_new_tokens=8, ignore_eos=True)
+    with LLM("m", backend="fake") as llm:
+        a = llm.generate("abc", params)[0]
+        b = llm.generate("abc", params)[0]
+    assert [o.index for o in a.outputs] == [0, 1, 2]
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert len({tuple(o.token_ids) for o in a.outputs}) > 1
+
+
+def test_streamed_deltas_join_to_generate_text(fake: FakePlugin) -> None:
+    params = SamplingParams(temperature=0.8, seed=3, max_new_tokens=25, stop=["xq", "zz"])
+
+    async def collect(llm: LLM) -> list[str]:
+        return [d async for d in llm.stream_generate("hello", params)]
+
+    with LLM("m", backend="fake") as llm:
+        deltas = asyncio.run(collect(llm))
+        final = llm.generate("hello", params)[0].outputs[0].text
+        assert "".join(deltas) == final
+        snaps = list(llm.stream("hello", params))
+        assert snaps[-1].finished and snaps[-1].outputs[0].text == final
+
+
+def test_aborted_streams_leave_no_state(fake: FakePlugin) -> None:
+    params = SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True)
+
+    async def cancel_many(llm: LLM) -> None:
+        for _ in range(200):
+            agen = llm.stream_generate("abc", params)
+            await agen.__anext__()
+            await agen.aclose()
+
+    with LLM("m", backend="fake", build={"max_seq_len": 256}) as llm:
+        asyncio.run(cancel_many(llm))
+        out = llm.generate("abc", GREEDY)[0]  # the next request runs
+        assert len(out.outputs[0].token_ids) == 12
+        stats = llm.engine.stats()
+        assert stats == {"requests": 0, "waiting": 0, "running": 0}
+        assert fake.engines[0].state == {}
+
+
+def test_future_result_aresult_and_cancel(fake: FakePlugin) -> None:
+    with LLM("m", backend="fake") as llm:
+        fut = llm.generate_async("abc", GREEDY)
+        assert fut.result(timeout=10).outputs[0].token_ids
+        assert asyncio.run(llm.generate_async("abc", GREEDY).aresult()).finished
+
+        async def many() -> list:
+            return await asyncio.gather(*(llm.generate_async(p, GREEDY).aresult() for p in PROMPTS))
+
+        assert len(asyncio.run(many())) == 16
+
+
+def test_bad_request_fails_alone(fake: FakePlugin) -> None:
+    with LLM("m", backend="fake") as llm:
+        with pytest.raises(RequestError, match="prompt is empty"):
+            llm.generate("", GREEDY)
+        with pytest.raises(RequestError, match="context is 256"):
+            llm.generate([1] * 300, GREEDY)
+        with pytest.raises(RequestError, match="outside the vocabulary"):
+            llm.generate([[1, 99999]], GREEDY)
+        with pytest.raises(RequestError, match="prompt 1: "):
+            llm.generate(["ab", ""], GREEDY)
+        assert llm.generate("ab", GREEDY)[0].finished
+
+
+def test_engine_failure_fails_its_batch_and_the_engine_carries_on(fake: FakePlugin) -> None:
+    def poisoned(tokens: list[int]) -> np.ndarray:
+        if tokens[-1] == tok("!"):
+            raise RuntimeError("device lost")
+        return np.eye(len(PIECES), dtype=np.float32)[tok("a")] * 5
+
+    fake.factory = lambda: FakeStepEngine(logits_fn=poisoned)
+    with LLM("m", backend="fake") as llm:
+        with pytest.raises(Exception, match="engine step failed: RuntimeError: device lost"):
+            llm.generate("a!", GREEDY)
+        assert llm.generate("ab", GREEDY)[0].outputs[0].text == "a" * 12
+
+
+def test_logprobs_and_prompt_logprobs(fake: FakePlugin) -> None:
+    with LLM("m", backend="fake") as llm:
+        out = llm.generate("abc", SamplingParams(temperature=0, max_new_tokens=3, logprobs=2, prompt_logprobs=1, ignore_eos=True))[0]
+        table = fake.engines[0].table.astype(np.float64)
+        lsm = table - np.log(np.exp(table).sum(axis=1, keepdims=True))
+        ids = out.prompt_token_ids
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+        for i in range(1, len(ids)):
+            assert out.prompt_logprobs[i][ids[i]].logprob == pytest.approx(lsm[ids[i - 1], ids[i]], abs=1e-5)
+        toks = ids + out.outputs[0].token_ids
+        for j, pos in enumerate(out.outputs[0].logprobs):
+            t = toks[len(ids) + j]
+            assert pos[t].rank == 1 and pos[t].logprob == pytest.approx(lsm[toks[len(ids) + j - 1], t], abs=1e-5)
+            assert len(pos) == 2
+        assert out.outputs[0].cumulative_logprob == pytest.approx(sum(p[t].logprob for p, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)))
+
+
+def test_default_sampling_params_layering(fake: FakePlugin, isolated: Path) -> None:
+    def engine() -> FakeStepEngine:
+        e = FakeStepEngine()
+        e.generation_config = {"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 33, "bos_token_id": 1}
+        return e
+
+    fake.factory = engine
+    (isolated / "lmdock.toml").write_text('[models.f]\nmodel = "m"\nbackend = "fake"\n[models.f.sampling]\ntop_p = 0.5\n')
+    with LLM("f") as llm:
+        d = llm.get_default_sampling_params()
+        assert (d.temperature, d.top_p, d.max_new_tokens) == (0.6, 0.5, 33)
+        assert llm._params({"temperature": 0.1}).temperature == 0.1
+        assert llm._params({"temperature": 0.1}).top_p == 0.5
+
+
+def test_chat_needs_a_template(fake: FakePlugin) -> None:
+    with LLM("m", backend="fake") as llm:
+        with pytest.raises(RequestError, match="no chat template"):
+            llm.chat([{"role": "user", "content": "hi"}])
+        out = llm.chat([{"role": "user", "content": "abc"}], GREEDY, chat_template="{{ messages }}")
+        assert out[0].prompt == "abc" and out[0].prompt_token_ids == FakeTokenizer().encode("abc", add_special_tokens=False)
+
+
+def test_shutdown_is_idempotent(fake: FakePlugin) -> None:
+    llm = LLM("m", backend="fake")
+    llm.shutdown()
+    llm.shutdown()
+    assert fake.engines[0].closed
+    with pytest.raises(Exception, match="shut down"):
+        llm.generate("ab")
+
+
+class ByteTokenizer:
+    """Tokens are single bytes: a multi-byte character spans tokens."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_detokenizer_never_emits_half_a_character() -> None:
+    text = "aé😀b"
+    detok = IncrementalDetokenizer(ByteTokenizer(), [], skip_special_tokens=False)  # type: ignore[arg-type]
+    deltas = [detok.push(b) for b in text.encode()]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text == detok.text

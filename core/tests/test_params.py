@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+import pytest
+
+from lmdock import BuildConfig, KvCacheConfig, OffloadPolicy, QuantConfig, SamplingParams, SchedulerConfig
+
+BAD_SAMPLING = [
+    ("temperature", -0.1),
+    ("top_p", 0.0),
+    ("top_p", 1.5),
+    ("top_k", -2),
+    ("min_p", 1.1),
+    ("frequency_penalty", 2.5),
+    ("presence_penalty", -3.0),
+    ("repetition_penalty", 0.0),
+    ("max_new_tokens", 0),
+    ("min_new_tokens", -1),
+    ("n", 0),
+    ("seed", -5),
+    ("logprobs", -1),
+    ("prompt_logprobs", -1),
+    ("beam_width", 0),
+    ("stop_token_ids", (-1,)),
+    ("stop", ("",)),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), BAD_SAMPLING)
+def test_invalid_sampling_values_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}: "):
+        SamplingParams(**{field: value})
+
+
+def test_min_new_tokens_cannot_exceed_max() -> None:
+    with pytest.raises(ValueError, match="min_new_tokens: must be <= max_new_tokens"):
+        SamplingParams(max_new_tokens=4, min_new_tokens=5)
+
+
+def test_sampling_normalises_vllm_spellings() -> None:
+    p = SamplingParams(top_k=-1, stop="END", stop_token_ids=[7])
+    assert p.top_k == 0 and p.stop == ("END",) and p.stop_token_ids == (7,)
+    assert SamplingParams(temperature=0).greedy and SamplingParams(top_k=1).greedy
+    assert not SamplingParams().greedy
+
+
+@pytest.mark.parametrize(
+    ("cls", "field", "value"),
+    [
+        (QuantConfig, "group_size", 48),
+        (BuildConfig, "max_batch_size", 0),
+        (BuildConfig, "tensor_parallel_size", 0),
+        (KvCacheConfig, "memory_fraction", 1.5),
+        (SchedulerConfig, "max_num_seqs", 0),
+        (OffloadPolicy, "weights_gpu_percent", 120.0),
+    ],
+)
+def test_invalid_portable_values_name_the_field(cls: type, field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}: "):
+        cls(**{field: value})
+
+
+def test_offload_to_disk_needs_a_folder() -> None:
+    with pytest.raises(ValueError, match="offload_dir"):
+        OffloadPolicy(weights_gpu_percent=50, weights_cpu_percent=20)
+    assert OffloadPolicy(weights_gpu_percent=50, weights_cpu_percent=20, offload_dir="/tmp/x").enabled
