@@ -1,0 +1,36 @@
+"""Docs stay true: every hook is documented and docs/hooks.md matches the specs (datasette-style)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _generator():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("gen_hook_docs", ROOT / "scripts" / "gen_hook_docs.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules["gen_hook_docs"] = module
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def test_every_hook_has_a_full_docstring() -> None:
+    from lmdock import hookspecs
+
+    hooks = [f for n, f in vars(hookspecs).items() if n.startswith("lmdock_")]
+    assert len(hooks) >= 6
+    for func in hooks:
+        doc = func.__doc__ or ""
+        assert len(doc.strip().splitlines()) >= 3, f"{func.__name__} needs a summary, when it is called and what it returns"
+        assert "Called" in doc, f"{func.__name__}: say when and how often it is called"
+        assert ":return:" in doc, f"{func.__name__}: say what it returns"
+        if (getattr(func, "lmdock_spec", {}) or {}).get("firstresult"):
+            assert "Stops at first non-None result" in doc, func.__name__
+
+
+def test_hook_reference_is_up_to_date() -> None:
+    current = (ROOT / "docs" / "hooks.md").read_text()
+    assert current == _generator().render(), "docs/hooks.md is stale: run python scripts/gen_hook_docs.py"

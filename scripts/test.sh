@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Sets up the test environments from scratch and runs every test suite.
+#
+# Each distribution is tested in its own virtual environment holding the core, that distribution and
+# the test tools, nothing else: that is how we prove each one installs on its own.
+#   core : lmdock alone (no torch, no engine)
+#   hf   : lmdock + lmdock-hf (torch 2.13.0 CPU wheel first, so pip never fetches a CUDA build)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+PY=${PYTHON:-python3}
+ENVS=${LMDOCK_ENVS:-$ROOT/.venvs}
+export HF_HUB_OFFLINE=1
+export LMDOCK_MODELS=${LMDOCK_MODELS:-$(cd "$ROOT/.." && pwd)/shared/models}
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+TEST_TOOLS="pytest>=8 jsonschema>=4"
+
+fresh_env() {  # fresh_env NAME -> prints the env's python
+  rm -rf "$ENVS/$1"
+  "$PY" -m venv "$ENVS/$1"
+  "$ENVS/$1/bin/python" -m pip install -q --upgrade pip >/dev/null
+  echo "$ENVS/$1/bin/python"
+}
+
+echo "== core: lmdock alone"
+core=$(fresh_env core)
+"$core" -m pip install -q ./core $TEST_TOOLS
+"$core" -m pytest core/tests docs/tests -q
+
+echo "== hf: lmdock + lmdock-hf"
+hf=$(fresh_env hf)
+"$hf" -m pip install -q torch==2.13.0
+"$hf" -m pip install -q ./core ./plugins/hf $TEST_TOOLS
+"$hf" -m pytest plugins/hf/tests core/tests/test_import.py -q
