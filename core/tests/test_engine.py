@@ -266,3 +266,31 @@ def test_detokenizer_never_emits_half_a_character() -> None:
     deltas = [detok.push(b) for b in text.encode()]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == text == detok.text
+
+
+def test_next_token_logprobs_batches_and_caches(fake: FakePlugin) -> None:
+    with LLM("m", backend="fake") as llm:
+        eng = fake.engines[0]
+        table = eng.table.astype(np.float64)
+        lsm = table - np.log(np.exp(table).sum(axis=1, keepdims=True))
+        prefixes = [[1, tok("a")], [1, tok("b")], [1, tok("a"), tok("c")], [1, tok("z")]]
+
+        async def many() -> np.ndarray:
+            return await llm.batch_next_token_logprobs(prefixes)
+
+        steps = eng.steps
+        got = asyncio.run(many())
+        for row, p in zip(got, prefixes):
+            np.testing.assert_allclose(row, lsm[p[-1]], atol=1e-5)
+        assert eng.steps - steps <= 2  # the four queries ran together, not one by one
+        steps = eng.steps
+        again = llm.next_token_logprobs_sync([1, tok("a"), tok("c")])
+        assert eng.steps == steps  # a cache hit runs no step
+        np.testing.assert_array_equal(again, got[2])
+        # an extension of a cached prefix forks its KV state: only the new token is fed
+        ext = llm.next_token_logprobs_sync([1, tok("a"), tok("c"), tok("d")])
+        np.testing.assert_allclose(ext, lsm[tok("d")], atol=1e-5)
+        llm.clear_cache()
+        assert eng.state == {}
+        with pytest.raises(RequestError, match="outside the vocabulary"):
+            llm.next_token_logprobs_sync([1, 10_000])

@@ -274,6 +274,49 @@ class LLM:
                 self.engine.abort(request.request_id)
 
 
+    # -- next-token logprobs (genlm-backend's AsyncLM) --------------------------------------------
+
+    def _logprob_engine(self) -> Any:
+        engine = self.engine
+        if not hasattr(engine, "next_token_logprobs"):
+            from lmdock._errors import UnsupportedError
+
+            _, reason = self.backend.capability("next_token_logprobs")
+            raise UnsupportedError(f"backend {self.backend.name!r} has no next_token_logprobs: {reason}")
+        return engine
+
+    async def next_token_logprobs(self, token_ids: Sequence[int]) -> Any:
+        """Log-probabilities (NumPy float32, shape [vocab]) of the token that follows ``token_ids``.
+
+        Concurrent calls are batched together; a prefix cache reuses results and KV state.
+        """
+        return await asyncio.wrap_future(self._logprob_engine().next_token_logprobs(token_ids))
+
+    def next_token_logprobs_sync(self, token_ids: Sequence[int]) -> Any:
+        """Blocking :meth:`next_token_logprobs`."""
+        return self._logprob_engine().next_token_logprobs(token_ids).result()
+
+    async def batch_next_token_logprobs(self, token_ids_list: Sequence[Sequence[int]]) -> Any:
+        """Next-token logprobs for several prefixes at once: shape [len(token_ids_list), vocab]."""
+        import numpy as np
+
+        engine = self._logprob_engine()
+        futures = [asyncio.wrap_future(engine.next_token_logprobs(ids)) for ids in token_ids_list]
+        return np.stack(await asyncio.gather(*futures))
+
+    def batch_next_token_logprobs_sync(self, token_ids_list: Sequence[Sequence[int]]) -> Any:
+        """Blocking :meth:`batch_next_token_logprobs`."""
+        import numpy as np
+
+        engine = self._logprob_engine()
+        futures = [engine.next_token_logprobs(ids) for ids in token_ids_list]
+        return np.stack([f.result() for f in futures])
+
+    def clear_cache(self) -> None:
+        """Drop the next-token-logprobs prefix cache and the KV state it holds."""
+        self._logprob_engine().clear_cache()
+
+
 # -------------------------------------------------------------------------------------------------
 # resolving a model and loading its engine
 # -------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import GREEDY_40, GREEDY_40_TEXT, PROMPT, PROMPT_IDS, REPO
+from stories_facts import GREEDY_40, GREEDY_40_TEXT, PROMPT, PROMPT_IDS, REPO
 
 from lmdock import LLM, ConfigError, RequestError, SamplingParams
 
@@ -138,3 +138,21 @@ def test_entry_module_imports_no_torch() -> None:
     code = "import sys, lmdock_hf; print([m for m in ('torch', 'transformers', 'numpy') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_next_token_logprobs_match_transformers_and_cache(llm: Any, hf_model: Any) -> None:
+    prefixes = [PROMPT_IDS, PROMPT_IDS[:3], [*PROMPT_IDS, *GREEDY_40[:6]], [1, 403]]
+    llm.clear_cache()
+    got = llm.batch_next_token_logprobs_sync(prefixes)
+    with torch.no_grad():
+        for row, ids in zip(got, prefixes):
+            ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0, -1].float(), dim=-1).numpy()
+            np.testing.assert_allclose(row, ref, atol=1e-5)
+    engine = llm.engine.engine
+    calls = engine.forward_calls
+    again = asyncio.run(llm.next_token_logprobs(prefixes[2]))
+    assert engine.forward_calls == calls  # a cache hit runs no forward pass
+    np.testing.assert_array_equal(again, got[2])
+    llm.clear_cache()
+    llm.next_token_logprobs_sync(prefixes[2])
+    assert engine.forward_calls > calls

@@ -9,6 +9,7 @@ iteration: (1) takes new requests and aborts from the inbox, (2) asks the schedu
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -18,6 +19,7 @@ import numpy as np
 
 from lmdock._contract import EngineRequest, OutputSink, SeqChunk, StepEngine
 from lmdock._engine.detok import IncrementalDetokenizer, StopStrings
+from lmdock._engine.prefix_cache import PrefixCache
 from lmdock._engine.sampler import LogitsProcessor, Sample, Sampler, SampleRow, log_softmax
 from lmdock._engine.scheduler import Scheduler
 from lmdock._errors import EngineClosedError, LmdockError, RequestError
@@ -72,6 +74,19 @@ class _Req:
         return all(s.finish_reason is not None for s in self.seqs)
 
 
+class _QuerySeq:
+    """A next-token-logprobs query: prefilled, never sampled; its KV state goes to the prefix cache."""
+
+    req = None
+    index = 0
+
+    def __init__(self, seq_id: int, token_ids: list[int]) -> None:
+        self.seq_id = seq_id
+        self.token_ids = token_ids
+        self.num_computed = 0
+        self.futures: list[concurrent.futures.Future[np.ndarray]] = []
+
+
 class StepRunner:
     """A :class:`lmdock.RequestEngine` over a :class:`lmdock.StepEngine`."""
 
@@ -92,6 +107,8 @@ class StepRunner:
         self._inbox: deque[tuple[str, Any]] = deque()
         self._cv = threading.Condition()
         self._reqs: dict[str, _Req] = {}
+        self._queries: dict[tuple[int, ...], _QuerySeq] = {}
+        self.prefix_cache = PrefixCache()
         self._next_seq = 0
         self._closing = False
         self._closed = False
@@ -111,6 +128,32 @@ class StepRunner:
     def abort(self, request_id: str) -> None:
         with self._cv:
             self._inbox.append(("abort", request_id))
+            self._cv.notify()
+
+    def next_token_logprobs(self, token_ids: Sequence[int]) -> concurrent.futures.Future[np.ndarray]:
+        """A future of the log-probabilities (float32, [vocab]) of the token after ``token_ids``.
+
+        Queries that arrive together run in one batch; results and KV state go to the prefix cache.
+        """
+        ids = list(token_ids)
+        if not ids:
+            raise RequestError("next_token_logprobs needs at least one token id")
+        self._check_ids(ids)
+        future: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
+        self._post("query", (ids, future))
+        return future
+
+    def clear_cache(self) -> None:
+        """Drop the prefix cache (results and the KV state it holds)."""
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._post("clear", done)
+        done.result()
+
+    def _post(self, kind: str, item: Any) -> None:
+        with self._cv:
+            if self._closing:
+                raise EngineClosedError("this LLM was shut down; create a new one")
+            self._inbox.append((kind, item))
             self._cv.notify()
 
     def close(self) -> None:
@@ -141,10 +184,8 @@ class StepRunner:
                 f"the prompt has {len(ids)} tokens but the model's context is {self.max_seq_len}; "
                 "shorten the prompt to leave room for the output"
             )
+        self._check_ids(ids)
         vocab = self.engine.vocab_size
-        bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
-        if bad is not None:
-            raise RequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
         if p.stop and not p.detokenize:
             raise RequestError("stop strings need detokenize=True; use stop_token_ids instead")
         if p.beam_width > 1:
@@ -154,18 +195,38 @@ class StepRunner:
             if k is not None and k > vocab:
                 raise RequestError(f"{name}={k} is larger than the vocabulary ({vocab})")
 
+    def _check_ids(self, ids: Sequence[int]) -> None:
+        vocab = self.engine.vocab_size
+        bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if len(ids) > self.max_seq_len:
+            raise RequestError(f"{len(ids)} tokens exceed the model's context ({self.max_seq_len})")
+
     # -- the loop (engine thread) -----------------------------------------------------------------
 
     def _loop(self) -> None:
         try:
             while self._iterate():
                 pass
-        except BaseException as exc:  # a bug in the loop: fail every request loudly, not silently
-            error = LmdockError(f"the engine loop stopped: {type(exc).__name__}: {exc}")
+        except BaseException as exc:  # a bug in the loop: fail every request loudly, never hang
+            error = EngineClosedError(f"the engine loop stopped: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
+            with self._cv:
+                self._closing = True
+                inbox, self._inbox = self._inbox, deque()
+            for kind, item in inbox:
+                if kind == "add":
+                    item[1].fail(error)
+                elif kind in ("query", "clear"):
+                    (item[1] if kind == "query" else item).set_exception(error)
             for req in list(self._reqs.values()):
                 req.sink.fail(error)
             self._reqs.clear()
+            for query in self._queries.values():
+                for fut in query.futures:
+                    fut.set_exception(error)
+            self._queries.clear()
             raise
 
     def _iterate(self) -> bool:
@@ -175,10 +236,22 @@ class StepRunner:
             inbox, self._inbox = self._inbox, deque()
             closing = self._closing
         for kind, item in inbox:
-            self._add(*item) if kind == "add" else self._abort(item)
+            if kind == "add":
+                self._add(*item)
+            elif kind == "abort":
+                self._abort(item)
+            elif kind == "query":
+                self._add_query(*item)
+            else:  # "clear"
+                for seq_id in self.prefix_cache.clear():
+                    self.engine.release(seq_id)
+                item.set_result(None)
         if closing:
             for req in list(self._reqs.values()):
                 self._finish_request(req, "abort", error=EngineClosedError("the LLM was shut down"))
+            for query in self._queries.values():
+                for fut in query.futures:
+                    fut.set_exception(EngineClosedError("the LLM was shut down"))
             return False
         if self.scheduler.has_work():
             self._step()
@@ -199,6 +272,38 @@ class StepRunner:
             sink.fail(exc)
             return
         self._reqs[request.request_id] = req
+
+    def _add_query(self, ids: list[int], future: concurrent.futures.Future[np.ndarray]) -> None:
+        key = tuple(ids)
+        if key in self._queries:  # the same prefix is already being computed
+            self._queries[key].futures.append(future)
+            return
+        result, src, length = self.prefix_cache.lookup(ids)
+        if result is not None:
+            future.set_result(result.copy())
+            return
+        query = _QuerySeq(self._next_seq, ids)
+        self._next_seq += 1
+        query.futures.append(future)
+        if src is not None and length < len(ids) and self.engine.fork(src, query.seq_id, length):
+            query.num_computed = length
+        try:
+            self.scheduler.add(query)
+        except LmdockError as exc:
+            if query.num_computed:
+                self.engine.release(query.seq_id)
+            future.set_exception(exc)
+            return
+        self._queries[key] = query
+
+    def _finish_query(self, query: _QuerySeq, logits: np.ndarray) -> None:
+        self.scheduler.remove(query)
+        result = log_softmax(logits[None, :])[0]
+        del self._queries[tuple(query.token_ids)]
+        for seq_id in self.prefix_cache.insert(query.token_ids, result, query.seq_id):
+            self.engine.release(seq_id)
+        for fut in query.futures:
+            fut.set_result(result.copy())
 
     def _abort(self, request_id: str) -> None:
         req = self._reqs.get(request_id)
@@ -227,22 +332,33 @@ class StepRunner:
         for seq in preempted:
             self.engine.release(seq.seq_id)  # scheduler already reset num_computed
         for seq, reason in failed:
-            self._finish_request(seq.req, "abort", error=RequestError(reason))
+            if isinstance(seq, _QuerySeq):
+                self._fail_query(seq, RequestError(reason))
+            else:
+                self._finish_request(seq.req, "abort", error=RequestError(reason))
         if not plan:
             return
         chunks = [self._chunk(seq, n) for seq, n in plan]
         try:
             out = self.engine.step(chunks)
         except Exception as exc:  # the engine failed this batch: fail its requests, keep serving
-            for req in {id(s.req): s.req for s, _ in plan}.values():
-                self._finish_request(req, "abort", error=LmdockError(f"engine step failed: {type(exc).__name__}: {exc}"))
+            error = LmdockError(f"engine step failed: {type(exc).__name__}: {exc}")
+            for seq, _ in plan:
+                if isinstance(seq, _QuerySeq):
+                    self._fail_query(seq, error)
+            for req in {id(s.req): s.req for s, _ in plan if s.req is not None}.values():
+                self._finish_request(req, "abort", error=error)
             return
         ready: list[int] = []
         for i, (seq, n) in enumerate(plan):
-            if seq.req.prompt_logprobs is not None and seq.index == 0 and chunks[i].all_logits:
+            if chunks[i].all_logits:
                 self._record_prompt_logprobs(seq, chunks[i], out.full[seq.seq_id])
             seq.num_computed += n
-            if seq.num_computed == len(seq.token_ids):
+            if seq.num_computed != len(seq.token_ids):
+                continue
+            if isinstance(seq, _QuerySeq):
+                self._finish_query(seq, out.last[i])
+            else:
                 ready.append(i)
         if not ready:
             return
@@ -259,10 +375,19 @@ class StepRunner:
             elif req.request.stream:
                 req.sink.put(self._snapshot(req))
 
+    def _fail_query(self, query: _QuerySeq, error: BaseException) -> None:
+        self.scheduler.remove(query)
+        self._queries.pop(tuple(query.token_ids), None)
+        if query.num_computed:
+            self.engine.release(query.seq_id)
+        for fut in query.futures:
+            fut.set_exception(error)
+
     def _chunk(self, seq: _Seq, n: int) -> SeqChunk:
         start = seq.num_computed
         want_all = (
-            seq.req.prompt_logprobs is not None
+            seq.req is not None
+            and seq.req.prompt_logprobs is not None
             and seq.index == 0
             and len(seq.req.prompt_logprobs) < seq.prompt_len
         )

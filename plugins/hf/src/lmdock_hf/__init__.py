@@ -40,10 +40,9 @@ SPEC = BackendSpec(
     name="hf",
     kind="step",
     plugin_api="1.0",
-    supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs"}),
+    supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "next_token_logprobs"}),
     lacks={
         "beam_search": "the core's beam search is not implemented yet",
-        "next_token_logprobs": "the core's next_token_logprobs is not implemented yet",
         "embed": "embedding models are not wired into lmdock-hf yet",
         "score": "scoring is not wired into lmdock-hf yet",
         "quantization": "no QuantConfig algorithm is implemented in lmdock-hf yet",

@@ -167,6 +167,8 @@ class HFStepEngine:
 
     # -- the step-engine contract ---------------------------------------------------------------
 
+    # KV tensors are inference tensors: every method that touches them runs in inference mode.
+    @torch.inference_mode()
     def step(self, chunks: Sequence[SeqChunk]) -> StepOutput:
         cache = self.cache
         for c in chunks:
@@ -176,16 +178,16 @@ class HFStepEngine:
         full: dict[int, np.ndarray] = {}
         decode = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1 and not c.all_logits]
         decode.sort(key=lambda i: cache.slot_of[chunks[i].seq_id])
-        with torch.inference_mode():
-            if decode:
-                last[decode] = self._forward([chunks[i] for i in decode], all_logits=False)
-            for i, c in enumerate(chunks):
-                if i in decode:
-                    continue
-                logits = self._forward([c], all_logits=c.all_logits)
-                last[i] = logits[-1]
-                if c.all_logits:
-                    full[c.seq_id] = logits
+        if decode:
+            last[decode] = self._forward([chunks[i] for i in decode], all_logits=False)
+        decoded = set(decode)
+        for i, c in enumerate(chunks):
+            if i in decoded:
+                continue
+            logits = self._forward([c], all_logits=c.all_logits)
+            last[i] = logits[-1]
+            if c.all_logits:
+                full[c.seq_id] = logits
         return StepOutput(last, full)
 
     def _forward(self, chunks: list[SeqChunk], all_logits: bool) -> np.ndarray:
@@ -212,9 +214,11 @@ class HFStepEngine:
         logits = out.logits.float()
         return (logits[0] if all_logits else logits[:, -1]).cpu().numpy()
 
+    @torch.inference_mode()
     def release(self, seq_id: int) -> None:
         self.cache.release(seq_id)
 
+    @torch.inference_mode()
     def fork(self, src_seq_id: int, dst_seq_id: int, length: int) -> bool:
         self.cache.copy(src_seq_id, dst_seq_id, length)
         return True
