@@ -294,3 +294,23 @@ def test_next_token_logprobs_batches_and_caches(fake: FakePlugin) -> None:
         assert eng.state == {}
         with pytest.raises(RequestError, match="outside the vocabulary"):
             llm.next_token_logprobs_sync([1, 10_000])
+
+
+def test_beam_search_returns_ranked_hypotheses_and_frees_state(fake: FakePlugin) -> None:
+    def eos_later(tokens: list[int]) -> np.ndarray:
+        out = fake.engines[0].table[tokens[-1]].copy() if fake.engines else np.zeros(len(PIECES), np.float32)
+        if len(tokens) >= 5:
+            out[2] = out.max() + 1.0  # EOS becomes likely after a few tokens
+        return out
+
+    fake.factory = lambda: FakeStepEngine(logits_fn=eos_later)
+    with LLM("m", backend="fake") as llm:
+        out = llm.generate("ab", SamplingParams(beam_width=3, n=3, max_new_tokens=8))[0]
+        assert out.finished and len(out.outputs) == 3
+        scores = [o.cumulative_logprob / len(o.token_ids) for o in out.outputs]
+        assert scores == sorted(scores, reverse=True)
+        assert any(o.finish_reason == "stop" and o.token_ids[-1] == 2 for o in out.outputs)
+        assert llm.engine.stats() == {"requests": 0, "waiting": 0, "running": 0}
+        assert fake.engines[0].state == {}
+        with pytest.raises(RequestError, match="beam search"):
+            llm.generate("ab", SamplingParams(beam_width=2, stop=["x"]))

@@ -156,3 +156,13 @@ def test_next_token_logprobs_match_transformers_and_cache(llm: Any, hf_model: An
     llm.clear_cache()
     llm.next_token_logprobs_sync(prefixes[2])
     assert engine.forward_calls > calls
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, "The cat", "Lily and Tom went"])
+def test_beam_search_equals_transformers(llm: Any, hf_model: Any, prompt: str) -> None:
+    ids = llm.tokenizer.encode(prompt)
+    t = torch.tensor([ids])
+    ref = hf_model.generate(t, attention_mask=torch.ones_like(t), num_beams=4, max_new_tokens=30, do_sample=False, early_stopping=False, length_penalty=1.0)
+    out = llm.generate([ids], SamplingParams(beam_width=4, max_new_tokens=30))[0]
+    assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
+    assert llm.engine.stats() == {"requests": 0, "waiting": 0, "running": 0}

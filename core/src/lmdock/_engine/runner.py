@@ -10,6 +10,7 @@ iteration: (1) takes new requests and aborts from the inbox, (2) asks the schedu
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from lmdock._contract import EngineRequest, OutputSink, SeqChunk, StepEngine
+from lmdock._engine.beam import BeamSearch
 from lmdock._engine.detok import IncrementalDetokenizer, StopStrings
 from lmdock._engine.prefix_cache import PrefixCache
 from lmdock._engine.sampler import LogitsProcessor, Sample, Sampler, SampleRow, log_softmax
@@ -50,6 +52,17 @@ class _Seq:
         )
         self.stops = StopStrings(params.stop, params.include_stop_str_in_output)
         self.text = ""
+        self.beam_lp: np.ndarray | None = None  # beam search: this step's log-softmax, awaiting the others
+        if params.beam_width > 1:
+            self.cumulative_logprob = 0.0
+
+    def fork(self, seq_id: int) -> _Seq:
+        """A copy for another beam; KV state is the caller's business."""
+        child = copy.copy(self)
+        child.seq_id = seq_id
+        child.token_ids = list(self.token_ids)
+        child.beam_lp = None
+        return child
 
     @property
     def num_output(self) -> int:
@@ -66,6 +79,8 @@ class _Req:
         self.request = request
         self.sink = sink
         self.seqs: list[_Seq] = []
+        p = request.params
+        self.beam = BeamSearch(p.beam_width, p.length_penalty, p.early_stopping) if p.beam_width > 1 else None
         want = request.params.prompt_logprobs
         self.prompt_logprobs: list[PositionLogprobs | None] | None = [None] if want is not None else None
 
@@ -188,8 +203,8 @@ class StepRunner:
         vocab = self.engine.vocab_size
         if p.stop and not p.detokenize:
             raise RequestError("stop strings need detokenize=True; use stop_token_ids instead")
-        if p.beam_width > 1:
-            raise RequestError("beam search (beam_width > 1) is not supported by this engine yet")
+        if p.beam_width > 1 and (p.stop or p.logprobs is not None):
+            raise RequestError("beam search returns whole hypotheses: stop strings and logprobs are not available with it")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(p, name)
             if k is not None and k > vocab:
@@ -260,7 +275,7 @@ class StepRunner:
     def _add(self, request: EngineRequest, sink: OutputSink) -> None:
         req = _Req(request, sink)
         processors = self._processors_for(request.params)
-        for index in range(request.params.n):
+        for index in range(1 if req.beam is not None else request.params.n):
             req.seqs.append(_Seq(self._next_seq, req, index, self.engine, processors))
             self._next_seq += 1
         try:
@@ -311,6 +326,8 @@ class StepRunner:
             self._finish_request(req, "abort")
 
     def _finish_request(self, req: _Req, reason: str, error: BaseException | None = None) -> None:
+        if req.beam is not None:
+            req.beam.done = True  # report the hypotheses finished so far
         for seq in req.seqs:
             if seq.finish_reason is None:
                 seq.finish_reason = reason
@@ -360,6 +377,10 @@ class StepRunner:
                 self._finish_query(seq, out.last[i])
             else:
                 ready.append(i)
+        beams = [i for i in ready if plan[i][0].req.beam is not None]
+        if beams:
+            self._beam_steps(plan, beams, out.last)
+            ready = [i for i in ready if plan[i][0].req.beam is None]
         if not ready:
             return
         seqs = [plan[i][0] for i in ready]
@@ -374,6 +395,67 @@ class StepRunner:
                 req.sink.put(self._snapshot(req))
             elif req.request.stream:
                 req.sink.put(self._snapshot(req))
+
+    def _beam_steps(self, plan: list[tuple[Any, int]], rows: list[int], logits: np.ndarray) -> None:
+        lps = log_softmax(logits[rows])
+        reqs: dict[int, _Req] = {}
+        for i, lp in zip(rows, lps):
+            seq = plan[i][0]
+            seq.beam_lp = lp
+            reqs[id(seq.req)] = seq.req
+        for req in reqs.values():
+            live = [s for s in req.seqs if s.finish_reason is None]
+            if all(s.beam_lp is not None for s in live):
+                self._beam_step(req, live)
+
+    def _beam_step(self, req: _Req, live: list[_Seq]) -> None:
+        """Advance one beam request once every live beam has its logits."""
+        beam = req.beam
+        assert beam is not None  # noqa: S101 - only called for beam requests
+        params = req.request.params
+        lps = np.stack([s.beam_lp for s in live])
+        ends = np.zeros(lps.shape[1], dtype=bool)
+        ends[list(params.stop_token_ids)] = True
+        if not params.ignore_eos:
+            ends[list(self.engine.eos_token_ids)] = True
+        n_out = live[0].num_output
+        if n_out < params.min_new_tokens:
+            lps[:, ends] = -np.inf
+        limit = params.max_new_tokens
+        at_limit = (limit is not None and n_out + 1 >= limit) or len(live[0].token_ids) + 1 >= self.max_seq_len
+        outputs = [s.token_ids[s.prompt_len :] for s in live]
+        running = np.array([s.cumulative_logprob or 0.0 for s in live])
+        choices = beam.step(outputs, running, lps, ends, at_limit)
+        children: dict[int, list[Any]] = {}
+        for c in choices:
+            children.setdefault(c.beam, []).append(c)
+        for b, seq in enumerate(live):
+            seq.beam_lp = None
+            mine = children.get(b, [])
+            for c in mine[1:]:  # extra children copy the parent's KV state before it moves on
+                child = seq.fork(self._next_seq)
+                self._next_seq += 1
+                child.num_computed = seq.num_computed if self.engine.fork(seq.seq_id, child.seq_id, seq.num_computed) else 0
+                child.token_ids.append(c.token)
+                child.cumulative_logprob = c.logprob
+                req.seqs.append(child)
+                if hasattr(self.scheduler, "fork"):  # optional: keeps the new beam beside its parent
+                    self.scheduler.fork(seq, child)
+                else:
+                    self.scheduler.add(child)
+            if mine:
+                seq.token_ids.append(mine[0].token)
+                seq.cumulative_logprob = mine[0].logprob
+            else:
+                seq.finish_reason = "pruned"
+                self._release(seq)
+        req.seqs = [s for s in req.seqs if s.finish_reason != "pruned"]
+        if beam.done:
+            for seq in req.seqs:
+                seq.finish_reason = seq.finish_reason or "length"
+                self._release(seq)
+            self._reqs.pop(req.request.request_id, None)
+            req.sink.put(self._snapshot(req))
 
     def _fail_query(self, query: _QuerySeq, error: BaseException) -> None:
         self.scheduler.remove(query)
@@ -448,7 +530,27 @@ class StepRunner:
             entry.setdefault(t, Logprob(lp, rank, decode([t])))
         return entry
 
+    def _beam_outputs(self, req: _Req) -> list[CompletionOutput]:
+        assert req.beam is not None  # noqa: S101
+        p = req.request.params
+        eos = set(self.engine.eos_token_ids) | set(p.stop_token_ids)
+        outs = []
+        for index, hyp in enumerate(req.beam.hyps[: p.n]):
+            text = self.tokenizer.decode(hyp.token_ids, skip_special_tokens=p.skip_special_tokens) if p.detokenize else ""
+            ended = bool(hyp.token_ids) and hyp.token_ids[-1] in eos
+            outs.append(CompletionOutput(index, text, hyp.token_ids, hyp.logprob, None, "stop" if ended else "length"))
+        return outs
+
     def _snapshot(self, req: _Req) -> RequestOutput:
+        if req.beam is not None:
+            return RequestOutput(
+                request_id=req.request.request_id,
+                prompt=req.request.prompt,
+                prompt_token_ids=list(req.request.prompt_token_ids),
+                outputs=self._beam_outputs(req) if req.beam.done else [],
+                finished=req.beam.done,
+                prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
+            )
         outs = [
             CompletionOutput(
                 index=s.index,

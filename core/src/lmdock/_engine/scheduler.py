@@ -64,6 +64,13 @@ class FcfsScheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
+    def fork(self, parent: SchedSeq, child: SchedSeq) -> None:
+        """A new beam joins the batch beside its parent (it shares the parent's KV prefix)."""
+        if parent in self.running:
+            self.running.insert(self.running.index(parent) + 1, child)
+        else:
+            self.waiting.appendleft(child)
+
     def schedule(self) -> tuple[list[tuple[SchedSeq, int]], list[SchedSeq], list[tuple[SchedSeq, str]]]:
         budget = self.config.max_num_batched_tokens
         plan: list[tuple[SchedSeq, int]] = []

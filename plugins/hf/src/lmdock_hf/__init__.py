@@ -40,9 +40,8 @@ SPEC = BackendSpec(
     name="hf",
     kind="step",
     plugin_api="1.0",
-    supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "next_token_logprobs"}),
+    supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search"}),
     lacks={
-        "beam_search": "the core's beam search is not implemented yet",
         "embed": "embedding models are not wired into lmdock-hf yet",
         "score": "scoring is not wired into lmdock-hf yet",
         "quantization": "no QuantConfig algorithm is implemented in lmdock-hf yet",
@@ -70,8 +69,6 @@ def lmdock_translate_build_config(backend: str, model_config: ModelConfig) -> di
     b = model_config.build
     if b.tensor_parallel_size > 1 or b.pipeline_parallel_size > 1:
         raise lmdock.UnsupportedError("lmdock-hf runs on one device; tensor/pipeline parallelism needs lmdock-vllm or lmdock-trtllm")
-    if b.max_beam_width > 1:
-        raise lmdock.UnsupportedError("lmdock-hf does not do beam search yet (build.max_beam_width must be 1)")
     return {
         "dtype": b.dtype,
         "device": b.device,
