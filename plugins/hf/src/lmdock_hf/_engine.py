@@ -22,6 +22,29 @@ import torch
 from lmdock import BackendError, ModelConfig, SeqChunk, StepOutput
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ATTENTION = "lmdock_sdpa"
+
+
+def _sdpa_gqa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """SDPA that keeps grouped KV heads grouped (``enable_gqa``) even with a mask.
+
+    transformers' own SDPA path repeats the KV heads whenever a mask is given, which copies the
+    whole KV state of every layer at every decode step; with rows at different positions we always
+    pass a mask, and this is 4x faster in attention on CPU.  ``None`` means causal from position 0
+    (a prefill chunk that starts the sequence) or no masking at all (one query per row).
+    """
+    causal = attention_mask is None and query.shape[2] > 1
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, is_causal=causal, scale=scaling,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, _sdpa_gqa)
 
 
 class SlotKVCache:
@@ -149,11 +172,10 @@ class HFStepEngine:
         device = _device(build.get("device", "auto"))
         dtype = _dtype(build.get("dtype", "auto"), device)
         kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": mc.trust_remote_code, "revision": mc.revision}
-        if options.attn_implementation != "auto":
-            kwargs["attn_implementation"] = options.attn_implementation
+        kwargs["low_cpu_mem_usage"] = options.low_cpu_mem_usage
         try:
             tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer or mc.model, trust_remote_code=mc.trust_remote_code, revision=mc.revision)
-            model = AutoModelForCausalLM.from_pretrained(mc.model, low_cpu_mem_usage=options.low_cpu_mem_usage, **kwargs)
+            model = _load_model(AutoModelForCausalLM, mc.model, options.attn_implementation, kwargs)
         except (OSError, ValueError) as exc:
             raise BackendError(
                 f"lmdock-hf could not load {mc.model!r}: {exc}. Pass a local folder, or a hub id that is "
@@ -198,13 +220,9 @@ class HFStepEngine:
         view = _BatchView(self.cache, [self.cache.slot_of[c.seq_id] for c in chunks], starts, width, kv_len)
         ids = torch.tensor([list(c.token_ids) for c in chunks], device=self.device)
         pos = view.start_t[:, None] + torch.arange(width, device=self.device)[None, :]
-        keys = torch.arange(kv_len, device=self.device)
-        allowed = keys[None, None, :] <= pos[:, :, None]  # [rows, width, kv_len]
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
         out = self.model(
             input_ids=ids,
-            attention_mask=mask[:, None],
+            attention_mask=self._mask(pos, kv_len, starts, width),
             position_ids=pos,
             past_key_values=view,
             use_cache=True,
@@ -213,6 +231,19 @@ class HFStepEngine:
         self.forward_calls += 1
         logits = out.logits.float()
         return (logits[0] if all_logits else logits[:, -1]).cpu().numpy()
+
+    def _mask(self, pos: torch.Tensor, kv_len: int, starts: list[int], width: int) -> torch.Tensor | None:
+        """The additive 4D mask; None where our attention needs none (see ``_sdpa_gqa``)."""
+        if self.model.config._attn_implementation == ATTENTION:
+            if width == 1 and all(a + 1 == kv_len for a in starts):
+                return None  # every row sees all its keys
+            if width > 1 and starts == [0] * len(starts):
+                return None  # plain causal
+        keys = torch.arange(kv_len, device=self.device)
+        allowed = keys[None, None, :] <= pos[:, :, None]  # [rows, width, kv_len]
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        return mask[:, None]
 
     @torch.inference_mode()
     def release(self, seq_id: int) -> None:
@@ -226,6 +257,16 @@ class HFStepEngine:
     def close(self) -> None:
         self.cache = SlotKVCache(self.device, self.dtype, self.max_seq_len)
         self.model = None
+
+
+def _load_model(auto: Any, model: str, attn: str, kwargs: dict[str, Any]) -> Any:
+    if attn != "auto":
+        return auto.from_pretrained(model, attn_implementation=attn, **kwargs)
+    _register_attention()
+    try:
+        return auto.from_pretrained(model, attn_implementation=ATTENTION, **kwargs)
+    except (ValueError, ImportError):  # a model that does not take pluggable attention
+        return auto.from_pretrained(model, **kwargs)
 
 
 def _device(name: str) -> torch.device:
