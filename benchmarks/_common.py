@@ -57,10 +57,9 @@ def random_llama(seed: int = 0) -> Path:
 
 
 def machine() -> str:
+    import lmdock
     import torch
     import transformers
-
-    import lmdock
 
     cpu = platform.processor() or platform.machine()
     return (

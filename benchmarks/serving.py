@@ -33,9 +33,8 @@ def main() -> None:
 
     import torch
     from _common import machine, random_llama, table, timed
-    from transformers import AutoModelForCausalLM
-
     from lmdock import LLM, SamplingParams
+    from transformers import AutoModelForCausalLM
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -24,7 +24,8 @@ fresh_env() {  # fresh_env NAME -> prints the env's python
 
 echo "== core: lmdock alone"
 core=$(fresh_env core)
-"$core" -m pip install -q ./core $TEST_TOOLS
+"$core" -m pip install -q ./core $TEST_TOOLS ruff
+"$ENVS/core/bin/ruff" check core plugins benchmarks scripts docs
 "$core" -m pytest core/tests docs/tests -q
 
 echo "== hf: lmdock + lmdock-hf"

@@ -9,9 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 import lmdock
+import numpy as np
 from lmdock import BackendSpec, SeqChunk, StepOutput
 
 SPECIALS = ["<unk>", "<s>", "</s>"]

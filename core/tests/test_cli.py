@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from lmdock._cli import main
 
 

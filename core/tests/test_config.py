@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from lmdock import ConfigError, config_schema, find_config, load_config
 
 

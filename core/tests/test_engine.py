@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fakes import PIECES, FakePlugin, FakeStepEngine, FakeTokenizer
-
 from lmdock import LLM, FcfsScheduler, QueueFullError, RequestError, SamplingParams, SchedulerConfig
+from lmdock import hookimpl as lmdock_hookimpl
 from lmdock._engine.detok import IncrementalDetokenizer
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
@@ -314,3 +314,72 @@ def test_beam_search_returns_ranked_hypotheses_and_frees_state(fake: FakePlugin)
         assert fake.engines[0].state == {}
         with pytest.raises(RequestError, match="beam search"):
             llm.generate("ab", SamplingParams(beam_width=2, stop=["x"]))
+
+
+def test_plugin_logits_processors_and_sampler_override(fake: FakePlugin) -> None:
+    from lmdock import ReferenceSampler, _plugins
+
+    banned = tok("a")
+
+    class BanA:
+        @lmdock_hookimpl
+        def lmdock_logits_processors(self, params):  # type: ignore[no-untyped-def]
+            def ban(token_ids: list[int], logits: np.ndarray) -> np.ndarray:
+                logits[banned] = -np.inf
+                return logits
+
+            return [ban]
+
+    class CountingSampler(ReferenceSampler):
+        calls = 0
+
+        def sample(self, logits, rows):  # type: ignore[no-untyped-def]
+            CountingSampler.calls += 1
+            return super().sample(logits, rows)
+
+    class Native:
+        @lmdock_hookimpl(tryfirst=True)
+        def lmdock_make_sampler(self, backend, model_config):  # type: ignore[no-untyped-def]
+            return CountingSampler() if backend == "fake" else None
+
+    fake.factory = lambda: scripted(["a", "b"])  # the model wants "a" first
+    reg = _plugins.get_registry()
+    reg.add_plugin(BanA(), "ban-a")
+    reg.add_plugin(Native(), "native-sampler")
+    with LLM("m", backend="fake") as llm:
+        out = llm.generate("q", SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))[0].outputs[0]
+    assert banned not in out.token_ids  # the processor ran, even on a greedy request
+    assert CountingSampler.calls == 3  # the plugin's sampler replaced the reference one
+
+
+def test_progress_bar_only_when_asked_or_on_a_terminal(fake: FakePlugin, capsys: pytest.CaptureFixture[str]) -> None:
+    with LLM("m", backend="fake") as llm:
+        llm.generate(PROMPTS, GREEDY)
+        assert capsys.readouterr().err == ""  # not a terminal
+        llm.generate(PROMPTS, GREEDY, use_tqdm=True)
+        err = capsys.readouterr().err
+        assert "Processed prompts" in err and "16/16" in err
+
+
+def test_a_sink_whose_listener_is_gone_does_not_stop_the_engine(fake: FakePlugin) -> None:
+    params = SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True)
+
+    async def leave_early(llm: LLM) -> None:
+        agen = llm.stream_generate("abc", params)
+        await agen.__anext__()
+        await agen.aclose()  # the abort reaches the engine after this event loop has closed
+
+    with LLM("m", backend="fake", build={"max_seq_len": 256}) as llm:
+        for _ in range(20):
+            asyncio.run(leave_early(llm))
+
+        class Broken:
+            def put(self, output: object) -> None:
+                raise RuntimeError("listener crashed")
+
+            fail = put
+
+        from lmdock import EngineRequest
+
+        llm.engine.submit(EngineRequest("broken", None, [1, 3], GREEDY), Broken())
+        assert llm.generate("ab", GREEDY)[0].finished  # the engine still serves

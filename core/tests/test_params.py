@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import pytest
-
 from lmdock import BuildConfig, KvCacheConfig, OffloadPolicy, QuantConfig, SamplingParams, SchedulerConfig
 
 BAD_SAMPLING = [

@@ -8,10 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lmdock
 import pytest
 from fakes import FakePlugin
-
-import lmdock
 from lmdock import LLM, BackendError, BackendSpec, PluginError, _plugins
 
 

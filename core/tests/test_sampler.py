@@ -6,7 +6,6 @@ import math
 
 import numpy as np
 import pytest
-
 from lmdock import ReferenceSampler, SampleRow, SamplingParams
 from lmdock._engine.sampler import apply_penalties, mask_min_tokens
 

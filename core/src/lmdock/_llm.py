@@ -8,7 +8,7 @@ import itertools
 import os
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from lmdock._config import SECTIONS, ConfigFile, find_config, load_config, model_config
 from lmdock._contract import BackendSpec, EngineRequest, RequestEngine
@@ -20,9 +20,9 @@ from lmdock._schema import build
 from lmdock._sinks import AsyncQueueSink, QueueSink, RequestFuture
 
 #: A prompt: text, or token ids (TensorRT-LLM style).
-Prompt = Union[str, Sequence[int]]
+Prompt = str | Sequence[int]
 #: Sampling parameters as a call takes them: complete params, overrides of the defaults, or None.
-ParamsArg = Union[SamplingParams, dict[str, Any], None]
+ParamsArg = SamplingParams | dict[str, Any] | None
 
 #: generation_config.json keys that become sampling defaults (only those the file sets explicitly).
 _GENERATION_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens")

@@ -63,7 +63,13 @@ class AsyncQueueSink:
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
 
     def put(self, output: RequestOutput) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
+        self._send(output)
 
     def fail(self, error: BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, error)
+        self._send(error)
+
+    def _send(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
+            pass

@@ -12,9 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from stories_facts import GREEDY_40, GREEDY_40_TEXT, PROMPT, PROMPT_IDS, REPO
-
 from lmdock import LLM, ConfigError, RequestError, SamplingParams
+from stories_facts import GREEDY_40, GREEDY_40_TEXT, PROMPT, PROMPT_IDS, REPO
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=40)
 PROMPTS = [
@@ -166,3 +165,19 @@ def test_beam_search_equals_transformers(llm: Any, hf_model: Any, prompt: str) -
     out = llm.generate([ids], SamplingParams(beam_width=4, max_new_tokens=30))[0]
     assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
     assert llm.engine.stats() == {"requests": 0, "waiting": 0, "running": 0}
+
+
+def test_two_hundred_cancelled_streams_leave_no_state(llm: Any) -> None:
+    params = SamplingParams(temperature=0.8, seed=1, max_new_tokens=300, ignore_eos=True)
+
+    async def cancel_many() -> None:
+        for i in range(200):
+            agen = llm.stream_generate(PROMPTS[i % len(PROMPTS)], params)
+            await agen.__anext__()
+            await agen.aclose()
+
+    asyncio.run(cancel_many())
+    llm.clear_cache()
+    assert llm.generate(PROMPT, GREEDY)[0].outputs[0].token_ids == GREEDY_40  # the next request runs
+    assert llm.engine.stats() == {"requests": 0, "waiting": 0, "running": 0}
+    assert llm.engine.engine.cache.slot_of == {}  # every KV slot was released

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -26,6 +27,19 @@ from lmdock._engine.sampler import LogitsProcessor, Sample, Sampler, SampleRow, 
 from lmdock._engine.scheduler import Scheduler
 from lmdock._errors import EngineClosedError, LmdockError, RequestError
 from lmdock._outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+
+log = logging.getLogger("lmdock.engine")
+
+
+def _deliver(sink: OutputSink, item: RequestOutput | BaseException) -> None:
+    """Report to a sink; a sink that raises must not take the engine down with it."""
+    try:
+        if isinstance(item, BaseException):
+            sink.fail(item)
+        else:
+            sink.put(item)
+    except Exception:
+        log.exception("an output sink raised; the request's caller will not see this result")
 
 
 class _Seq:
@@ -232,11 +246,11 @@ class StepRunner:
                 inbox, self._inbox = self._inbox, deque()
             for kind, item in inbox:
                 if kind == "add":
-                    item[1].fail(error)
+                    _deliver(item[1], error)
                 elif kind in ("query", "clear"):
                     (item[1] if kind == "query" else item).set_exception(error)
             for req in list(self._reqs.values()):
-                req.sink.fail(error)
+                _deliver(req.sink, error)
             self._reqs.clear()
             for query in self._queries.values():
                 for fut in query.futures:
@@ -284,7 +298,7 @@ class StepRunner:
         except LmdockError as exc:
             for seq in req.seqs:
                 self.scheduler.remove(seq)
-            sink.fail(exc)
+            _deliver(sink, exc)
             return
         self._reqs[request.request_id] = req
 
@@ -334,9 +348,9 @@ class StepRunner:
             self._release(seq)
         self._reqs.pop(req.request.request_id, None)
         if error is not None:
-            req.sink.fail(error)
+            _deliver(req.sink, error)
         else:
-            req.sink.put(self._snapshot(req))
+            _deliver(req.sink, self._snapshot(req))
 
     def _release(self, seq: _Seq) -> None:
         self.scheduler.remove(seq)
@@ -392,9 +406,9 @@ class StepRunner:
         for req in touched.values():
             if req.finished:
                 self._reqs.pop(req.request.request_id, None)
-                req.sink.put(self._snapshot(req))
+                _deliver(req.sink, self._snapshot(req))
             elif req.request.stream:
-                req.sink.put(self._snapshot(req))
+                _deliver(req.sink, self._snapshot(req))
 
     def _beam_steps(self, plan: list[tuple[Any, int]], rows: list[int], logits: np.ndarray) -> None:
         lps = log_softmax(logits[rows])
@@ -455,7 +469,7 @@ class StepRunner:
                 seq.finish_reason = seq.finish_reason or "length"
                 self._release(seq)
             self._reqs.pop(req.request.request_id, None)
-            req.sink.put(self._snapshot(req))
+            _deliver(req.sink, self._snapshot(req))
 
     def _fail_query(self, query: _QuerySeq, error: BaseException) -> None:
         self.scheduler.remove(query)

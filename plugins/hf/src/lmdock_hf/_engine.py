@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from lmdock import BackendError, ModelConfig, SeqChunk, StepOutput
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
