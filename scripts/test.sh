@@ -4,7 +4,9 @@
 # Each distribution is tested in its own virtual environment holding the core, that distribution and
 # the test tools, nothing else: that is how we prove each one installs on its own.
 #   core : lmdock alone (no torch, no engine)
-#   hf   : lmdock + lmdock-hf (torch 2.13.0 CPU wheel first, so pip never fetches a CUDA build)
+#   hf       : lmdock + lmdock-hf (torch 2.13.0 CPU wheel first, so pip never fetches a CUDA build)
+#   template : lmdock + lmdock-template (the NumPy reference engine)
+# Each backend environment also holds lmdock-conformance and runs the shared suite on stories260K.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -25,11 +27,18 @@ fresh_env() {  # fresh_env NAME -> prints the env's python
 echo "== core: lmdock alone"
 core=$(fresh_env core)
 "$core" -m pip install -q ./core $TEST_TOOLS ruff
-"$ENVS/core/bin/ruff" check core plugins benchmarks scripts docs
+"$ENVS/core/bin/ruff" check core plugins contrib conformance_tests benchmarks scripts docs
 "$core" -m pytest core/tests docs/tests -q
 
 echo "== hf: lmdock + lmdock-hf"
 hf=$(fresh_env hf)
 "$hf" -m pip install -q torch==2.13.0
-"$hf" -m pip install -q ./core ./plugins/hf $TEST_TOOLS
+"$hf" -m pip install -q ./core ./plugins/hf ./conformance_tests $TEST_TOOLS
 "$hf" -m pytest plugins/hf/tests core/tests/test_import.py -q
+"$hf" -m pytest --pyargs lmdock_conformance --lmdock-backend=hf --lmdock-model="$LMDOCK_MODELS/stories260K" -q -rs -p no:cacheprovider
+
+echo "== template: lmdock + lmdock-template (reference engine) + the suite's self-tests"
+template=$(fresh_env template)
+"$template" -m pip install -q ./core ./contrib/backend-template ./conformance_tests $TEST_TOOLS
+"$template" -m pytest --pyargs lmdock_conformance --lmdock-backend=template --lmdock-model="$LMDOCK_MODELS/stories260K" -q -rs -p no:cacheprovider
+"$template" -m pytest conformance_tests/tests -q -p no:cacheprovider

@@ -66,6 +66,10 @@ class BackendSpec:
     version: str | None = None
     available: Callable[[], str | None] = lambda: None
     options: type | None = None
+    #: Largest absolute logprob error the backend promises against the float32 reference, by key:
+    #: "logprobs" (unquantized; the conformance suite's default is 1e-4) and each QuantConfig algo
+    #: it honours.  lmdock-conformance holds the backend to these.
+    tolerances: Mapping[str, float] = field(default_factory=dict)
     priority: int = 0
     description: str = ""
     plugin: str = ""  # filled in by the core: the registering plugin's name

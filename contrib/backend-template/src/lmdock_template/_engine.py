@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from lmdock import BackendError, ModelConfig, SeqChunk, StepOutput
 
 

@@ -1,0 +1,124 @@
+"""The pytest plugin: options, the capability marker, and the session fixtures.
+
+Installed through the ``pytest11`` entry point, so it is active in every pytest run of the
+environment; it touches only the tests of this package, and those skip until ``--lmdock-backend``
+names a backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+PACKAGE_DIR = Path(__file__).parent
+DEFAULT_LOGPROB_TOLERANCE = 1e-4
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("lmdock", "lmdock backend conformance")
+    group.addoption("--lmdock-backend", help="the backend to test (its name in `lmdock backends`)")
+    group.addoption("--lmdock-model", help="the model to test with: stories260K (a folder) for the reference checks")
+    group.addoption("--lmdock-options", default="{}", help="JSON: options for LLM(...), e.g. '{\"build\": {\"dtype\": \"float32\"}}'")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "requires(capability): the test needs this backend capability (lmdock.CAPABILITIES)")
+    if config.getoption("--lmdock-backend"):
+        _options(config)  # a mistake in the options stops the run before any test
+
+
+def _options(config: pytest.Config) -> dict[str, Any]:
+    raw = config.getoption("--lmdock-options") or "{}"
+    try:
+        options = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise pytest.UsageError(f"--lmdock-options is not valid JSON: {exc}") from None
+    if not isinstance(options, dict):
+        raise pytest.UsageError(f"--lmdock-options must be a JSON object of LLM(...) options, not {raw!r}")
+    return options
+
+
+def _ours(item: pytest.Item) -> bool:
+    return Path(str(item.fspath)).resolve().is_relative_to(PACKAGE_DIR.resolve())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--lmdock-backend"):
+        return
+    skip = pytest.mark.skip(reason="lmdock-conformance runs for a named backend: pass --lmdock-backend=NAME --lmdock-model=PATH")
+    for item in items:
+        if _ours(item):
+            item.add_marker(skip)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if not _ours(item) or not item.config.getoption("--lmdock-backend"):
+        return
+    spec = _spec(item.config)
+    for mark in item.iter_markers("requires"):
+        for capability in mark.args:
+            ok, reason = spec.capability(capability)
+            if not ok:
+                pytest.skip(f"backend {spec.name!r} lacks capability {capability!r}: {reason}")
+
+
+def _spec(config: pytest.Config) -> Any:
+    from lmdock._plugins import get_registry
+
+    return get_registry().backend(config.getoption("--lmdock-backend"))
+
+
+# -------------------------------------------------------------------------------------------------
+# fixtures
+# -------------------------------------------------------------------------------------------------
+
+
+class Setup:
+    """What a conformance test knows about the run: backend, spec, model, options, tolerance."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.backend: str = config.getoption("--lmdock-backend")
+        self.model: str | None = config.getoption("--lmdock-model")
+        self.options = _options(config)
+        self.spec = _spec(config)
+        self.tolerance = float(self.spec.tolerances.get("logprobs", DEFAULT_LOGPROB_TOLERANCE))
+
+    def llm(self, **extra: Any) -> Any:
+        from lmdock import LLM
+
+        if not self.model:
+            raise pytest.UsageError("pass --lmdock-model=PATH (stories260K for the reference checks)")
+        options = {**self.options, **extra}
+        return LLM(self.model, backend=self.backend, **options)
+
+
+@pytest.fixture(scope="session")
+def lmdock_setup(pytestconfig: pytest.Config) -> Setup:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return Setup(pytestconfig)
+
+
+@pytest.fixture(scope="session")
+def llm(lmdock_setup: Setup) -> Iterator[Any]:
+    engine = lmdock_setup.llm()
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def reference(lmdock_setup: Setup) -> dict[str, Any]:
+    """The recorded facts for stories260K (greedy tokens from ../shared/models/README.md, and
+    transformers float32 logprobs); tests that need them skip for other models."""
+    model = Path(lmdock_setup.model or "")
+    cfg_path = model / "config.json"
+    if not cfg_path.is_file():
+        pytest.skip(f"no recorded reference for {lmdock_setup.model!r}: the reference checks need the stories260K folder")
+    cfg = json.loads(cfg_path.read_text())
+    if (cfg.get("vocab_size"), cfg.get("hidden_size"), cfg.get("num_hidden_layers")) != (512, 64, 5):
+        pytest.skip(f"no recorded reference for {lmdock_setup.model!r}: the reference checks need stories260K")
+    return json.loads((PACKAGE_DIR / "data" / "stories260K.json").read_text())
