@@ -6,6 +6,8 @@
 #   core : lmdock alone (no torch, no engine)
 #   hf       : lmdock + lmdock-hf (torch 2.13.0 CPU wheel first, so pip never fetches a CUDA build)
 #   template : lmdock + lmdock-template (the NumPy reference engine)
+#   trtllm   : lmdock + lmdock-trtllm (TensorRT-LLM itself cannot be installed here: translation tests
+#              against ../shared/api-contracts; its conformance run skips, needing an NVIDIA GPU)
 # Each backend environment also holds lmdock-conformance and runs the shared suite on stories260K.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +16,7 @@ PY=${PYTHON:-python3}
 ENVS=${LMDOCK_ENVS:-$ROOT/.venvs}
 export HF_HUB_OFFLINE=1
 export LMDOCK_MODELS=${LMDOCK_MODELS:-$(cd "$ROOT/.." && pwd)/shared/models}
+export LMDOCK_API_CONTRACTS=${LMDOCK_API_CONTRACTS:-$(cd "$ROOT/.." && pwd)/shared/api-contracts}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 TEST_TOOLS="pytest>=8 jsonschema>=4"
 
@@ -42,3 +45,9 @@ template=$(fresh_env template)
 "$template" -m pip install -q ./core ./contrib/backend-template ./conformance_tests $TEST_TOOLS
 "$template" -m pytest --pyargs lmdock_conformance --lmdock-backend=template --lmdock-model="$LMDOCK_MODELS/stories260K" -q -rs -p no:cacheprovider
 "$template" -m pytest conformance_tests/tests -q -p no:cacheprovider
+
+echo "== trtllm: lmdock + lmdock-trtllm (no TensorRT-LLM: API-contract tests)"
+trt=$(fresh_env trtllm)
+"$trt" -m pip install -q ./core ./plugins/trtllm ./conformance_tests $TEST_TOOLS "hypothesis>=6"
+"$trt" -m pytest plugins/trtllm/tests -q -p no:cacheprovider
+"$trt" -m pytest --pyargs lmdock_conformance --lmdock-backend=trtllm --lmdock-model="$LMDOCK_MODELS/stories260K" -q -rs -p no:cacheprovider

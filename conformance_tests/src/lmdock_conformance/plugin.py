@@ -60,6 +60,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if not _ours(item) or not item.config.getoption("--lmdock-backend"):
         return
     spec = _spec(item.config)
+    reason = spec.available()
+    if reason and spec.needs_hardware:
+        pytest.skip(f"backend {spec.name!r} needs {spec.needs_hardware}, which this machine lacks: {reason}")
     for mark in item.iter_markers("requires"):
         for capability in mark.args:
             ok, reason = spec.capability(capability)

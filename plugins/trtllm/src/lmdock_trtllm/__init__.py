@@ -1,0 +1,113 @@
+"""lmdock-trtllm: the TensorRT-LLM backend.
+
+This entry-point module imports neither tensorrt_llm nor torch: it declares the backend, probes
+availability with ``importlib.util.find_spec`` and a look for an NVIDIA driver, and imports the
+engine only when a model loads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import lmdock
+from lmdock import BackendSpec, ModelConfig
+
+__version__ = "0.1.0"
+
+
+@dataclass(frozen=True)
+class TrtllmOptions:
+    """``[models.NAME.backends.trtllm]``: options of the TensorRT-LLM backend."""
+
+    api: Literal["auto", "current", "legacy"] = "auto"
+    skip_tokenizer_init: bool = False
+    enable_chunked_prefill: bool = True
+    #: Passed to ``tensorrt_llm.LLM(...)`` as they are (TensorRT-LLM validates them).
+    llm_args: dict[str, Any] = field(default_factory=dict)
+
+
+def _has_nvidia_gpu() -> bool:
+    return os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi") is not None
+
+
+def _available() -> str | None:
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        return (
+            "tensorrt_llm is not installed; it runs on Linux with an NVIDIA GPU: "
+            'pip install "lmdock-trtllm[gpu]" there (PyPI has only placeholders elsewhere)'
+        )
+    if not _has_nvidia_gpu():
+        return "no NVIDIA GPU found (no /dev/nvidiactl, no nvidia-smi); TensorRT-LLM needs one"
+    return None
+
+
+SPEC = BackendSpec(
+    name="trtllm",
+    kind="request",
+    plugin_api="1.0",
+    supports=frozenset({"generate", "stream", "sampling", "logprobs", "prompt_logprobs", "beam_search", "quantization"}),
+    lacks={
+        "chat": "not wired yet: TensorRT-LLM's tokenizer has apply_chat_template, lmdock-trtllm does not call it yet",
+        "next_token_logprobs": "TensorRT-LLM schedules for itself; no per-prefix logprob queries",
+        "embed": "TensorRT-LLM's LLM API serves causal LMs",
+        "score": "TensorRT-LLM's LLM API serves causal LMs",
+        "offload": "use kv_cache.cpu_space_gib for host KV offload; weights stay on the GPUs",
+    },
+    requires=("tensorrt_llm",),
+    package="lmdock-trtllm",
+    version=__version__,
+    available=_available,
+    options=TrtllmOptions,
+    tolerances={"logprobs": 2e-2},  # half-precision GPU kernels
+    needs_hardware="an NVIDIA GPU with TensorRT-LLM installed",
+    priority=60,
+    description="NVIDIA TensorRT-LLM (LLM API), GPUs only",
+)
+
+
+@lmdock.hookimpl
+def lmdock_register_backends(register: Any) -> None:
+    register(SPEC)
+
+
+def _options(mc: ModelConfig) -> TrtllmOptions:
+    from lmdock._schema import build
+
+    return build(TrtllmOptions, mc.backend_options("trtllm"), source=mc.source, prefix=f"models.{mc.name}.backends.trtllm")
+
+
+@lmdock.hookimpl
+def lmdock_translate_quantization(backend: str, quant: lmdock.QuantConfig, model_config: ModelConfig) -> Any:
+    if backend != "trtllm":
+        return None
+    from lmdock_trtllm._api import detect_api
+    from lmdock_trtllm._translate import quant_config
+
+    api = detect_api(model_config, _options(model_config).api)
+    return quant_config(quant, model_config.kv_cache.dtype, api) or "checkpoint"
+
+
+@lmdock.hookimpl
+def lmdock_translate_build_config(backend: str, model_config: ModelConfig) -> dict[str, Any] | None:
+    if backend != "trtllm":
+        return None
+    from lmdock_trtllm._api import detect_api
+    from lmdock_trtllm._translate import llm_kwargs
+
+    opts = _options(model_config)
+    api = detect_api(model_config, opts.api)
+    kwargs = llm_kwargs(model_config, api, skip_tokenizer_init=opts.skip_tokenizer_init, enable_chunked_prefill=opts.enable_chunked_prefill, extra=opts.llm_args)
+    return {"api": api, "llm_kwargs": kwargs}
+
+
+@lmdock.hookimpl
+def lmdock_load_engine(backend: str, model_config: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> Any:
+    if backend != "trtllm":
+        return None
+    from lmdock_trtllm._engine import TrtllmEngine
+
+    return TrtllmEngine.load(model_config, build["api"], build["llm_kwargs"])
