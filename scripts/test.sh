@@ -6,6 +6,7 @@
 #   core : lmdock alone (no torch, no engine)
 #   hf       : lmdock + lmdock-hf (torch 2.13.0 CPU wheel first, so pip never fetches a CUDA build)
 #   template : lmdock + lmdock-template (the NumPy reference engine)
+#   mlx      : lmdock + lmdock-mlx (mlx[cpu] + mlx-lm on Linux)
 #   trtllm   : lmdock + lmdock-trtllm (TensorRT-LLM itself cannot be installed here: translation tests
 #              against ../shared/api-contracts; its conformance run skips, needing an NVIDIA GPU)
 # Each backend environment also holds lmdock-conformance and runs the shared suite on stories260K.
@@ -19,6 +20,15 @@ export LMDOCK_MODELS=${LMDOCK_MODELS:-$(cd "$ROOT/.." && pwd)/shared/models}
 export LMDOCK_API_CONTRACTS=${LMDOCK_API_CONTRACTS:-$(cd "$ROOT/.." && pwd)/shared/api-contracts}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 TEST_TOOLS="pytest>=8 jsonschema>=4"
+REPORTS="$ENVS/reports"
+rm -rf "$REPORTS" && mkdir -p "$REPORTS"
+runs=0
+
+t() {  # t PYTHON ARGS...: one pytest run, its results kept for the summary at the end
+  local py=$1; shift
+  runs=$((runs + 1))
+  "$py" -m pytest -q -p no:cacheprovider --junitxml="$REPORTS/run$runs.xml" "$@"
+}
 
 fresh_env() {  # fresh_env NAME -> prints the env's python
   rm -rf "$ENVS/$1"
@@ -31,23 +41,41 @@ echo "== core: lmdock alone"
 core=$(fresh_env core)
 "$core" -m pip install -q ./core $TEST_TOOLS ruff
 "$ENVS/core/bin/ruff" check core plugins contrib conformance_tests benchmarks scripts docs
-"$core" -m pytest core/tests docs/tests -q
+t "$core" core/tests docs/tests
 
 echo "== hf: lmdock + lmdock-hf"
 hf=$(fresh_env hf)
 "$hf" -m pip install -q torch==2.13.0
 "$hf" -m pip install -q ./core ./plugins/hf ./conformance_tests $TEST_TOOLS
-"$hf" -m pytest plugins/hf/tests core/tests/test_import.py -q
-"$hf" -m pytest --pyargs lmdock_conformance --lmdock-backend=hf --lmdock-model="$LMDOCK_MODELS/stories260K" -q -rs -p no:cacheprovider
+t "$hf" plugins/hf/tests core/tests/test_import.py
+t "$hf" --pyargs lmdock_conformance --lmdock-backend=hf --lmdock-model="$LMDOCK_MODELS/stories260K" -rs
 
 echo "== template: lmdock + lmdock-template (reference engine) + the suite's self-tests"
 template=$(fresh_env template)
 "$template" -m pip install -q ./core ./contrib/backend-template ./conformance_tests $TEST_TOOLS
-"$template" -m pytest --pyargs lmdock_conformance --lmdock-backend=template --lmdock-model="$LMDOCK_MODELS/stories260K" -q -rs -p no:cacheprovider
-"$template" -m pytest conformance_tests/tests -q -p no:cacheprovider
+t "$template" --pyargs lmdock_conformance --lmdock-backend=template --lmdock-model="$LMDOCK_MODELS/stories260K" -rs
+t "$template" conformance_tests/tests
+
+echo "== mlx: lmdock + lmdock-mlx"
+mlx=$(fresh_env mlx)
+"$mlx" -m pip install -q ./core ./plugins/mlx ./conformance_tests $TEST_TOOLS
+t "$mlx" plugins/mlx/tests
+t "$mlx" --pyargs lmdock_conformance --lmdock-backend=mlx --lmdock-model="$LMDOCK_MODELS/stories260K" -rs
 
 echo "== trtllm: lmdock + lmdock-trtllm (no TensorRT-LLM: API-contract tests)"
 trt=$(fresh_env trtllm)
 "$trt" -m pip install -q ./core ./plugins/trtllm ./conformance_tests $TEST_TOOLS "hypothesis>=6"
-"$trt" -m pytest plugins/trtllm/tests -q -p no:cacheprovider
-"$trt" -m pytest --pyargs lmdock_conformance --lmdock-backend=trtllm --lmdock-model="$LMDOCK_MODELS/stories260K" -q -rs -p no:cacheprovider
+t "$trt" plugins/trtllm/tests
+t "$trt" --pyargs lmdock_conformance --lmdock-backend=trtllm --lmdock-model="$LMDOCK_MODELS/stories260K" -rs
+
+# One closing line for all runs (pytest prints one per run).
+"$core" - "$REPORTS" <<'PY'
+import sys, pathlib, xml.etree.ElementTree as ET
+tests = failed = skipped = 0
+for f in sorted(pathlib.Path(sys.argv[1]).glob("*.xml")):
+    for suite in ET.parse(f).getroot().iter("testsuite"):
+        tests += int(suite.get("tests", 0))
+        failed += int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+        skipped += int(suite.get("skipped", 0))
+print(f"all suites: {tests - failed - skipped} passed, {failed} failed, {skipped} skipped")
+PY

@@ -137,6 +137,9 @@ class StepEngine(Protocol):
 
     def close(self) -> None: ...
 
+    # Optional: ``thread_exit()`` is called in the engine thread as it ends, for resources that
+    # belong to that thread (MLX streams, for one).
+
 
 @dataclass
 class EngineRequest:

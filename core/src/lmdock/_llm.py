@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import itertools
 import os
+import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,19 @@ ParamsArg = SamplingParams | dict[str, Any] | None
 _GENERATION_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens")
 
 _ids = itertools.count()
+
+#: LLMs not yet shut down; shut down at interpreter exit, before engine threads are torn away
+#: (an engine thread killed mid-step can leave native resources behind, e.g. MLX streams).
+_live: weakref.WeakSet[LLM] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    for llm in list(_live):
+        try:
+            llm.shutdown()
+        except Exception:
+            pass
 
 
 class LLM:
@@ -53,6 +68,7 @@ class LLM:
             options["backend"] = backend
         self.model_config = resolve_model(model, config, options)
         self._engine, self.backend = load_engine(self.model_config)
+        _live.add(self)
         self.tokenizer = self._engine.tokenizer
         self.max_model_len = self._engine.max_seq_len
         self._defaults = self._default_params()
@@ -62,6 +78,7 @@ class LLM:
     def shutdown(self) -> None:
         """Stop the engine and free its memory.  Idempotent."""
         engine, self._engine = self._engine, None
+        _live.discard(self)
         if engine is not None:
             engine.close()
 

@@ -257,6 +257,11 @@ class StepRunner:
                     fut.set_exception(error)
             self._queries.clear()
             raise
+        finally:
+            # optional: per-thread resources the engine made in this thread (MLX streams)
+            thread_exit = getattr(self.engine, "thread_exit", None)
+            if thread_exit is not None:
+                thread_exit()
 
     def _iterate(self) -> bool:
         with self._cv:

@@ -1,0 +1,89 @@
+"""lmdock-mlx: the entry-point module (imports neither mlx nor mlx-lm)."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+import lmdock
+from lmdock import BackendSpec, ModelConfig
+
+__version__ = "0.1.0"
+
+#: QuantConfig.algo -> MLX bits (affine, group-wise quantization of the weights).
+QUANT_BITS = {"int8_weight_only": 8, "int4_weight_only": 4}
+
+
+@dataclass(frozen=True)
+class MlxOptions:
+    """``[models.NAME.backends.mlx]``: options of the MLX backend (none yet; unknown keys are errors)."""
+
+
+def _available() -> str | None:
+    if importlib.util.find_spec("mlx") is None or importlib.util.find_spec("mlx_lm") is None:
+        return "mlx and mlx-lm are not installed; pip install lmdock-mlx (it pulls mlx[cpu] on Linux)"
+    return None
+
+
+SPEC = BackendSpec(
+    name="mlx",
+    kind="step",
+    plugin_api="1.0",
+    supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search", "quantization"}),
+    lacks={
+        "embed": "mlx-lm serves causal LMs",
+        "score": "mlx-lm serves causal LMs",
+        "offload": "MLX keeps weights in unified memory",
+    },
+    requires=("mlx", "mlx_lm"),
+    package="lmdock-mlx",
+    version=__version__,
+    available=_available,
+    options=MlxOptions,
+    tolerances={"logprobs": 1e-4, "int8_weight_only": 0.1, "int4_weight_only": 1.5},  # measured: 0.035, 0.82
+    priority=20,
+    description="MLX / mlx-lm (Apple silicon, Linux CPU)",
+)
+
+
+@lmdock.hookimpl
+def lmdock_register_backends(register: Any) -> None:
+    register(SPEC)
+
+
+@lmdock.hookimpl
+def lmdock_translate_quantization(backend: str, quant: lmdock.QuantConfig, model_config: ModelConfig) -> Any:
+    if backend != "mlx":
+        return None
+    if quant.checkpoint_prequantized:
+        return {"prequantized": True}
+    if quant.algo not in QUANT_BITS:
+        raise lmdock.UnsupportedError(
+            f"quantization {quant.algo!r}: MLX quantizes weights to 4 or 8 bits; use int4_weight_only or "
+            "int8_weight_only (or a pre-quantized mlx-community checkpoint with checkpoint_prequantized = true)"
+        )
+    return {"bits": QUANT_BITS[quant.algo], "group_size": quant.group_size or 64}
+
+
+@lmdock.hookimpl
+def lmdock_translate_build_config(backend: str, model_config: ModelConfig) -> dict[str, Any] | None:
+    if backend != "mlx":
+        return None
+    b = model_config.build
+    if b.tensor_parallel_size > 1 or b.pipeline_parallel_size > 1:
+        raise lmdock.UnsupportedError("lmdock-mlx runs on one device; tensor/pipeline parallelism needs lmdock-vllm or lmdock-trtllm")
+    if b.device not in ("auto", "cpu", "gpu", "metal"):
+        raise lmdock.UnsupportedError(f"build.device {b.device!r}: MLX runs on 'cpu' or 'gpu' (Metal)")
+    return {"dtype": b.dtype, "device": b.device, "max_seq_len": b.max_seq_len, "kv_max_tokens": model_config.kv_cache.max_tokens}
+
+
+@lmdock.hookimpl
+def lmdock_load_engine(backend: str, model_config: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> Any:
+    if backend != "mlx":
+        return None
+    if model_config.offload.enabled:
+        raise lmdock.UnsupportedError("lmdock-mlx does not offload weights; remove [offload]")
+    from lmdock_mlx._engine import MlxStepEngine
+
+    return MlxStepEngine.load(model_config, options, quantization, build)

@@ -1,0 +1,142 @@
+"""mlx-lm models as an lmdock step engine.
+
+Each sequence keeps its own mlx-lm prompt cache (one ``KVCache`` per layer).  A step builds the
+graphs of every chunk lazily and evaluates them together (one ``mx.eval``), so MLX schedules the
+work of all sequences at once; logits cross to NumPy once per step.
+
+mlx-lm reads a top-level ``rope_theta`` and ignores transformers 5's ``rope_parameters``: when a
+config has only the latter, the engine passes its value to mlx-lm explicitly instead of letting the
+default rotary base apply silently.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from lmdock import BackendError, ModelConfig, SeqChunk, StepOutput, UnsupportedError
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def rope_overrides(config: dict[str, Any]) -> dict[str, Any]:
+    """The config keys mlx-lm needs spelled the old way (from transformers 5's rope_parameters)."""
+    rope = config.get("rope_parameters") or {}
+    out: dict[str, Any] = {}
+    if "rope_theta" not in config and "rope_theta" in rope:
+        out["rope_theta"] = rope["rope_theta"]
+    kind = rope.get("rope_type", "default")
+    if kind != "default" and "rope_scaling" not in config:
+        raise UnsupportedError(
+            f"this config has rope_parameters with rope_type {kind!r} and no rope_scaling, which mlx-lm reads; "
+            "add a rope_scaling entry to config.json"
+        )
+    return out
+
+
+class MlxStepEngine:
+    def __init__(self, model: Any, tokenizer: Any, eos: tuple[int, ...], max_seq_len: int, vocab_size: int, generation_config: dict[str, Any], kv_max_tokens: int | None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos
+        self.max_seq_len = max_seq_len
+        self.vocab_size = vocab_size
+        self.generation_config = generation_config
+        self.kv_capacity_tokens = kv_max_tokens
+        self.caches: dict[int, list[Any]] = {}
+
+    @classmethod
+    def load(cls, mc: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> MlxStepEngine:
+        from mlx_lm import load as mlx_load
+
+        device = build.get("device", "auto")
+        if device == "cpu":
+            mx.set_default_device(mx.cpu)
+        elif device in ("gpu", "metal"):
+            mx.set_default_device(mx.gpu)
+        folder = Path(mc.model)
+        config = _read(folder / "config.json")
+        try:
+            model, wrapper = mlx_load(mc.model, model_config=rope_overrides(config))
+        except UnsupportedError:
+            raise
+        except Exception as exc:
+            raise BackendError(f"mlx-lm could not load {mc.model!r}: {type(exc).__name__}: {exc}") from exc
+        if build.get("dtype", "auto") != "auto":
+            model.set_dtype(getattr(mx, build["dtype"]))
+        if quantization and "bits" in quantization:
+            import mlx.nn as nn
+
+            group = quantization["group_size"]
+            # as mlx_lm.convert does: layers whose input width the group size does not divide stay float
+            nn.quantize(model, group_size=group, bits=quantization["bits"],
+                        class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % group == 0)
+        # MLX streams belong to threads: materialize the weights here, not lazily in the engine thread
+        mx.eval(model.parameters())
+        tokenizer = getattr(wrapper, "_tokenizer", wrapper)
+        eos = tuple(dict.fromkeys(int(t) for t in (getattr(wrapper, "eos_token_ids", None) or [tokenizer.eos_token_id]) if t is not None))
+        limit = int(config.get("max_position_embeddings") or 4096)
+        max_seq_len = min(build["max_seq_len"], limit) if build.get("max_seq_len") else limit
+        vocab = int(config.get("vocab_size") or len(tokenizer))
+        return cls(model, tokenizer, eos, max_seq_len, vocab, _read(folder / "generation_config.json"), build.get("kv_max_tokens"))
+
+    # -- the step-engine contract ---------------------------------------------------------------
+
+    def step(self, chunks: Sequence[SeqChunk]) -> StepOutput:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        pending = []
+        for c in chunks:
+            cache = self.caches.get(c.seq_id)
+            if cache is None or c.start == 0:
+                cache = self.caches[c.seq_id] = make_prompt_cache(self.model)
+            logits = self.model(mx.array([list(c.token_ids)]), cache=cache)[0]
+            pending.append(logits if c.all_logits else logits[-1:])
+        mx.eval(pending)  # every sequence's graph at once
+        last = np.empty((len(chunks), self.vocab_size), dtype=np.float32)
+        full: dict[int, np.ndarray] = {}
+        for i, (c, logits) in enumerate(zip(chunks, pending)):
+            rows = np.array(logits.astype(mx.float32))
+            last[i] = rows[-1]
+            if c.all_logits:
+                full[c.seq_id] = rows
+        return StepOutput(last, full)
+
+    def release(self, seq_id: int) -> None:
+        self.caches.pop(seq_id, None)
+
+    def fork(self, src_seq_id: int, dst_seq_id: int, length: int) -> bool:
+        from mlx_lm.models.cache import KVCache
+
+        src = self.caches.get(src_seq_id)
+        if src is None or not all(type(c) is KVCache for c in src):
+            return False
+        copies = []
+        for c in src:
+            new = KVCache()
+            new.keys, new.values = c.keys[..., :length, :], c.values[..., :length, :]
+            new.offset = length
+            copies.append(new)
+        self.caches[dst_seq_id] = copies
+        return True
+
+    def thread_exit(self) -> None:
+        """Called in the engine thread as it ends: MLX streams belong to the thread that made them,
+        and a stream left behind aborts the process at exit ("terminate called without an active
+        exception")."""
+        self.caches.clear()
+        mx.synchronize()
+        mx.clear_streams()
+
+    def close(self) -> None:
+        self.caches.clear()
+        self.model = None
