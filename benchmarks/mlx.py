@@ -94,7 +94,7 @@ def bench(path: Path, n_tokens: int) -> list[tuple[str, str, str, str]]:
         direct_1()
         for batch, direct in ((1, direct_1), (8, direct_8)):
             t_direct = best(direct)
-            t_lm = best(lambda: llm.generate(prompts[:batch], params, use_tqdm=False))
+            t_lm = best(lambda b=batch: llm.generate(prompts[:b], params, use_tqdm=False))
             tokens = batch * n_tokens
             rows.append((f"{path.name}, batch {batch}", f"{tokens / t_lm:,.0f}", f"{tokens / t_direct:,.0f}", f"{t_direct / t_lm:.2f}"))
     return rows
