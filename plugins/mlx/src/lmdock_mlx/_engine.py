@@ -94,13 +94,20 @@ class MlxStepEngine:
     def step(self, chunks: Sequence[SeqChunk]) -> StepOutput:
         from mlx_lm.models.cache import make_prompt_cache
 
-        pending = []
-        for c in chunks:
+        pending: list[Any] = [None] * len(chunks)
+        decode = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1 and not c.all_logits and c.start > 0 and self._plain(c.seq_id)]
+        if len(decode) > 1:
+            rows = self._decode_batch([chunks[i] for i in decode])
+            for k, i in enumerate(decode):
+                pending[i] = rows[k : k + 1]
+        for i, c in enumerate(chunks):
+            if pending[i] is not None:
+                continue
             cache = self.caches.get(c.seq_id)
             if cache is None or c.start == 0:
                 cache = self.caches[c.seq_id] = make_prompt_cache(self.model)
             logits = self.model(mx.array([list(c.token_ids)]), cache=cache)[0]
-            pending.append(logits if c.all_logits else logits[-1:])
+            pending[i] = logits if c.all_logits else logits[-1:]
         mx.eval(pending)  # every sequence's graph at once
         last = np.empty((len(chunks), self.vocab_size), dtype=np.float32)
         full: dict[int, np.ndarray] = {}
@@ -110,6 +117,25 @@ class MlxStepEngine:
             if c.all_logits:
                 full[c.seq_id] = rows
         return StepOutput(last, full)
+
+    def _plain(self, seq_id: int) -> bool:
+        from mlx_lm.models.cache import KVCache
+
+        cache = self.caches.get(seq_id)
+        return cache is not None and all(type(c) is KVCache for c in cache)
+
+    def _decode_batch(self, chunks: Sequence[SeqChunk]) -> Any:
+        """One forward for single-token chunks at different positions: the sequences' caches are
+        merged into mlx-lm's left-padded ``BatchKVCache`` (per-row RoPE offsets and mask), then each
+        row's cache is taken back out."""
+        from mlx_lm.models.cache import BatchKVCache
+
+        per_seq = [self.caches[c.seq_id] for c in chunks]
+        batch = [BatchKVCache.merge([layers[i] for layers in per_seq]) for i in range(len(per_seq[0]))]
+        logits = self.model(mx.array([[c.token_ids[0]] for c in chunks]), cache=batch)[:, -1]
+        for row, c in enumerate(chunks):
+            self.caches[c.seq_id] = [layer.extract(row) for layer in batch]
+        return logits
 
     def release(self, seq_id: int) -> None:
         self.caches.pop(seq_id, None)
