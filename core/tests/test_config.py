@@ -115,3 +115,13 @@ def test_schema_validates_the_repository_example() -> None:
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, schema)
     json.dumps(schema)
+
+
+def test_read_model_json(tmp_path: Path) -> None:
+    from lmdock import read_model_json
+
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6}')
+    (tmp_path / "broken.json").write_text("{nope")
+    assert read_model_json(str(tmp_path), "generation_config.json") == {"temperature": 0.6}
+    assert read_model_json(str(tmp_path), "broken.json") == {}
+    assert read_model_json(str(tmp_path), "absent.json") == {}

@@ -32,6 +32,7 @@ from lmdock._errors import (
     RequestError,
     UnsupportedError,
 )
+from lmdock._files import read_model_json
 from lmdock._llm import LLM
 from lmdock._outputs import CompletionOutput, Logprob, RequestOutput
 from lmdock._params import (
@@ -113,4 +114,5 @@ __all__ = [
     "find_config",
     "hookimpl",
     "load_config",
+    "read_model_json",
 ]

@@ -126,7 +126,7 @@ class LLM:
         if isinstance(params, SamplingParams):
             return params
         if isinstance(params, dict):
-            return build(SamplingParams, {**_explicit(self._defaults), **params}, source="<call>", prefix="sampling_params")
+            return build(SamplingParams, {**_all_fields(self._defaults), **params}, source="<call>", prefix="sampling_params")
         raise TypeError(f"sampling_params must be SamplingParams, a dict or None, not {type(params).__name__}")
 
     # -- requests -------------------------------------------------------------------------------
@@ -363,7 +363,7 @@ def _overlay(base: ModelConfig, options: dict[str, Any]) -> ModelConfig:
     for section in SECTIONS:
         value = options.get(section)
         entry[section] = getattr(base, section).replace(**value) if isinstance(value, dict) else (value or getattr(base, section))
-    entry["sampling"] = {**base.sampling, **_explicit_or_dict(options.get("sampling", {}))}
+    entry["sampling"] = {**base.sampling, **_sampling_dict(options.get("sampling", {}))}
     entry["backends"] = {**base.backends, **options.get("backends", {})}
     for key in ("backend", "fallback", "tokenizer", "revision", "trust_remote_code", "model"):
         if key in options:
@@ -384,13 +384,13 @@ def _indexed(i: int, total: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise RequestError(f"prompt {i}: {exc}") from None
 
 
-def _explicit(params: SamplingParams) -> dict[str, Any]:
+def _all_fields(params: SamplingParams) -> dict[str, Any]:
     return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
 
 
-def _explicit_or_dict(value: Any) -> dict[str, Any]:
+def _sampling_dict(value: Any) -> dict[str, Any]:
     if isinstance(value, SamplingParams):
-        return _explicit(value)
+        return _all_fields(value)
     return dict(value)
 
 

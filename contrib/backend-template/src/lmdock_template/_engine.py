@@ -7,13 +7,12 @@ another: the reference engine favours plainness over speed.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from lmdock import BackendError, ModelConfig, SeqChunk, StepOutput
+from lmdock import BackendError, ModelConfig, SeqChunk, StepOutput, read_model_json
 
 
 class Tokenizer:
@@ -23,7 +22,7 @@ class Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         self._tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
-        cfg = _read_json(folder / "tokenizer_config.json")
+        cfg = read_model_json(str(folder), "tokenizer_config.json")
         self.chat_template = cfg.get("chat_template")
         self.bos_token = cfg.get("bos_token") if isinstance(cfg.get("bos_token"), str) else "<s>"
         self.eos_token = cfg.get("eos_token") if isinstance(cfg.get("eos_token"), str) else "</s>"
@@ -47,10 +46,6 @@ class Tokenizer:
             messages=conversation, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token, eos_token=self.eos_token, **kwargs,
         )
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -113,7 +108,7 @@ class NumpyLlama:
         self.inv_freq = 1.0 / (theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
         self.lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
         eos = config.get("eos_token_id")
-        gen = _read_json(folder / "generation_config.json")
+        gen = read_model_json(str(folder), "generation_config.json")
         ids = [e for e in (gen.get("eos_token_id"), eos, tokenizer.eos_token_id) for e in (e if isinstance(e, list) else [e]) if isinstance(e, int)]
         self.eos_token_ids = tuple(dict.fromkeys(ids))
         self.generation_config = gen
@@ -127,7 +122,7 @@ class NumpyLlama:
         folder = Path(mc.model)
         if not (folder / "config.json").is_file():
             raise BackendError(f"lmdock-template loads local folders with config.json and model.safetensors; {mc.model!r} is not one")
-        config = _read_json(folder / "config.json")
+        config = read_model_json(mc.model, "config.json")
         if config.get("model_type") != "llama":
             raise BackendError(f"lmdock-template runs Llama models, not {config.get('model_type')!r}")
         weights = {k: v.astype(np.float32) for k, v in load_file(str(folder / "model.safetensors")).items()}

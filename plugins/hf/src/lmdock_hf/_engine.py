@@ -11,14 +11,12 @@ so no row is padded along the query axis.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from lmdock import BackendError, ModelConfig, SeqChunk, StepOutput
+from lmdock import BackendError, ModelConfig, SeqChunk, StepOutput, read_model_json
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ATTENTION = "lmdock_sdpa"
@@ -184,7 +182,7 @@ class HFStepEngine:
         model.requires_grad_(False)
         limit = _context_length(model, tokenizer)
         max_seq_len = min(build["max_seq_len"], limit) if build.get("max_seq_len") else limit
-        return cls(model, tokenizer, device, max_seq_len, build.get("kv_max_tokens"), _generation_config(mc.model))
+        return cls(model, tokenizer, device, max_seq_len, build.get("kv_max_tokens"), read_model_json(mc.model, "generation_config.json"))
 
     # -- the step-engine contract ---------------------------------------------------------------
 
@@ -305,19 +303,3 @@ def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
             ids += [int(v) for v in value]
     return tuple(dict.fromkeys(ids))
 
-
-def _generation_config(model: str) -> dict[str, Any]:
-    """The explicit keys of generation_config.json (a local folder; hub ids use the cached file)."""
-    path = Path(model) / "generation_config.json"
-    if not path.is_file():
-        try:
-            from huggingface_hub import try_to_load_from_cache
-
-            cached = try_to_load_from_cache(model, "generation_config.json")
-            path = Path(cached) if isinstance(cached, str) else path
-        except Exception:
-            return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    except (OSError, ValueError):
-        return {}

@@ -11,21 +11,12 @@ default rotary base apply silently.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from lmdock import BackendError, ModelConfig, SeqChunk, StepOutput, UnsupportedError
-
-
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):
-        return {}
+from lmdock import BackendError, ModelConfig, SeqChunk, StepOutput, UnsupportedError, read_model_json
 
 
 def rope_overrides(config: dict[str, Any]) -> dict[str, Any]:
@@ -63,8 +54,7 @@ class MlxStepEngine:
             mx.set_default_device(mx.cpu)
         elif device in ("gpu", "metal"):
             mx.set_default_device(mx.gpu)
-        folder = Path(mc.model)
-        config = _read(folder / "config.json")
+        config = read_model_json(mc.model, "config.json")
         try:
             model, wrapper = mlx_load(mc.model, model_config=rope_overrides(config))
         except UnsupportedError:
@@ -87,7 +77,7 @@ class MlxStepEngine:
         limit = int(config.get("max_position_embeddings") or 4096)
         max_seq_len = min(build["max_seq_len"], limit) if build.get("max_seq_len") else limit
         vocab = int(config.get("vocab_size") or len(tokenizer))
-        return cls(model, tokenizer, eos, max_seq_len, vocab, _read(folder / "generation_config.json"), build.get("kv_max_tokens"))
+        return cls(model, tokenizer, eos, max_seq_len, vocab, read_model_json(mc.model, "generation_config.json"), build.get("kv_max_tokens"))
 
     # -- the step-engine contract ---------------------------------------------------------------
 

@@ -9,12 +9,10 @@ is converted to lmdock's ``RequestOutput`` and reported to the request's sink.  
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
-from pathlib import Path
 from typing import Any
 
-from lmdock import BackendError, EngineRequest, ModelConfig, OutputSink, RequestError, UnsupportedError
+from lmdock import BackendError, EngineRequest, ModelConfig, OutputSink, RequestError, UnsupportedError, read_model_json
 from lmdock._outputs import CompletionOutput, Logprob, RequestOutput
 
 from lmdock_trtllm._refs import materialize
@@ -57,7 +55,7 @@ class TrtllmEngine:
         except ValueError as exc:  # unknown or invalid arguments, checked before anything loads
             raise BackendError(f"TensorRT-LLM refused the configuration of {mc.model!r}: {exc}") from exc
         max_seq_len = int(getattr(getattr(llm, "args", None), "max_seq_len", None) or llm_kwargs.get("max_seq_len") or 0) or _context(mc.model)
-        return cls(llm, api, max_seq_len, _generation_config(mc.model))
+        return cls(llm, api, max_seq_len, read_model_json(mc.model, "generation_config.json"))
 
     # -- the RequestEngine interface ------------------------------------------------------------
 
@@ -141,17 +139,5 @@ def _logprobs(value: Any) -> list[dict[int, Logprob]] | None:
     return [{int(t): Logprob(float(lp.logprob), getattr(lp, "rank", None)) for t, lp in pos.items()} for pos in value]
 
 
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _generation_config(model: str) -> dict[str, Any]:
-    return _read(Path(model) / "generation_config.json")
-
-
 def _context(model: str) -> int:
-    cfg = _read(Path(model) / "config.json")
-    return int(cfg.get("max_position_embeddings") or 2048)
+    return int(read_model_json(model, "config.json").get("max_position_embeddings") or 2048)
