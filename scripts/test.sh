@@ -23,6 +23,7 @@ TEST_TOOLS="pytest>=8 jsonschema>=4"
 REPORTS="$ENVS/reports"
 rm -rf "$REPORTS" && mkdir -p "$REPORTS"
 runs=0
+started=$(date +%s)
 
 t() {  # t PYTHON ARGS...: one pytest run, its results kept for the summary at the end
   local py=$1; shift
@@ -50,6 +51,12 @@ hf=$(fresh_env hf)
 t "$hf" plugins/hf/tests core/tests/test_import.py
 t "$hf" --pyargs lmdock_conformance --lmdock-backend=hf --lmdock-model="$LMDOCK_MODELS/stories260K" -rs
 
+echo "== trtllm: lmdock + lmdock-trtllm (no TensorRT-LLM: API-contract tests)"
+trt=$(fresh_env trtllm)
+"$trt" -m pip install -q ./core ./plugins/trtllm ./conformance_tests $TEST_TOOLS "hypothesis>=6"
+t "$trt" plugins/trtllm/tests
+t "$trt" --pyargs lmdock_conformance --lmdock-backend=trtllm --lmdock-model="$LMDOCK_MODELS/stories260K" -rs
+
 echo "== template: lmdock + lmdock-template (reference engine) + the suite's self-tests"
 template=$(fresh_env template)
 "$template" -m pip install -q ./core ./contrib/backend-template ./conformance_tests $TEST_TOOLS
@@ -62,13 +69,8 @@ mlx=$(fresh_env mlx)
 t "$mlx" plugins/mlx/tests
 t "$mlx" --pyargs lmdock_conformance --lmdock-backend=mlx --lmdock-model="$LMDOCK_MODELS/stories260K" -rs
 
-echo "== trtllm: lmdock + lmdock-trtllm (no TensorRT-LLM: API-contract tests)"
-trt=$(fresh_env trtllm)
-"$trt" -m pip install -q ./core ./plugins/trtllm ./conformance_tests $TEST_TOOLS "hypothesis>=6"
-t "$trt" plugins/trtllm/tests
-t "$trt" --pyargs lmdock_conformance --lmdock-backend=trtllm --lmdock-model="$LMDOCK_MODELS/stories260K" -rs
-
-# One closing line for all runs (pytest prints one per run).
+# One closing line for all runs (pytest prints one per run); it must stay the last line printed.
+echo "test.sh finished in $(( $(date +%s) - started )) s"
 "$core" - "$REPORTS" <<'PY'
 import sys, pathlib, xml.etree.ElementTree as ET
 tests = failed = skipped = 0
@@ -77,5 +79,5 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("*.xml")):
         tests += int(suite.get("tests", 0))
         failed += int(suite.get("failures", 0)) + int(suite.get("errors", 0))
         skipped += int(suite.get("skipped", 0))
-print(f"all suites: {tests - failed - skipped} passed, {failed} failed, {skipped} skipped")
+print(f"suites: {tests - failed - skipped} passed, {failed} failed, {skipped} skipped")
 PY
