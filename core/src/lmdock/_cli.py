@@ -103,6 +103,7 @@ def cmd_backends(args: argparse.Namespace) -> int:
         rows.append({
             "name": spec.name, "plugin": spec.plugin, "package": spec.package, "version": spec.version, "kind": spec.kind,
             "status": "available" if reason is None else "unavailable", "reason": reason,
+            "engine": spec.engine_info() if reason is None else None,
             "capabilities": sorted(c for c in CAPABILITIES if c in spec.supports),
             "lacks": {c: spec.capability(c)[1] for c in CAPABILITIES if c not in spec.supports},
         })
@@ -118,6 +119,8 @@ def cmd_backends(args: argparse.Namespace) -> int:
     print(f"{'BACKEND':<10} {'PACKAGE':<16} {'VERSION':<9} {'KIND':<8} STATUS")
     for r in rows:
         status = r["status"] if r["reason"] is None else f"{r['status']}: {r['reason']}"
+        if r.get("engine"):
+            status += f" ({r['engine']})"
         print(f"{r['name']:<10} {r['package'] or '-':<16} {r['version'] or '-':<9} {r['kind'] or '-':<8} {status}")
         if r["capabilities"]:
             print(f"{'':<10} supports: {', '.join(r['capabilities'])}")

