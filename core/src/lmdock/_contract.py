@@ -38,6 +38,7 @@ CAPABILITIES: Mapping[str, str] = {
     "logprobs": "per-token logprobs of the generated tokens",
     "prompt_logprobs": "logprobs of the prompt tokens",
     "beam_search": "beam search (beam_width > 1)",
+    "structured_output": "SamplingParams.structured_output: output constrained to a JSON schema, regex, choice or grammar",
     "next_token_logprobs": "genlm-style next_token_logprobs over token-id prefixes",
     "embed": "embeddings from an embedding model",
     "score": "similarity scoring of text pairs",

@@ -141,6 +141,10 @@ class LLM:
             ids, text = list(prompt), None
         else:
             raise RequestError(f"a prompt is a string or a list of token ids, not {type(prompt).__name__}: {prompt!r:.80}")
+        if params.structured_output is not None:
+            ok, reason = self.backend.capability("structured_output")
+            if not ok:
+                raise RequestError(f"structured_output: backend {self.backend.name!r} cannot constrain its output ({reason}); use the vllm backend")
         return EngineRequest(f"req-{next(_ids)}", text, ids, params, stream)
 
     def _tokenizer(self) -> Any:

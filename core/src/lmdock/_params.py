@@ -40,6 +40,26 @@ class _Replaceable:
 
 
 @dataclass(frozen=True)
+class StructuredOutput(_Replaceable):
+    """Constrain the output to a JSON schema, a regular expression, one of some strings, or an EBNF
+    grammar: exactly one of them (vLLM's ``StructuredOutputsParams``).  Backends that can constrain
+    declare the ``structured_output`` capability; the others refuse the request."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] = ()
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "choice", tuple(self.choice or ()))
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name)]
+        check(len(given) == 1, "structured_output",
+              f"set exactly one of json, regex, choice, grammar; got {', '.join(given) or 'none'}")
+        for c in self.choice:
+            check(isinstance(c, str) and c != "", "structured_output.choice", f"choices must be non-empty strings, got {c!r}")
+
+
+@dataclass(frozen=True)
 class SamplingParams(_Replaceable):
     """How to sample one request: the fields of Modular MAX's and vLLM's ``SamplingParams``.
 
@@ -71,8 +91,11 @@ class SamplingParams(_Replaceable):
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: bool = False
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_output, dict):
+            object.__setattr__(self, "structured_output", StructuredOutput(**self.structured_output))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))

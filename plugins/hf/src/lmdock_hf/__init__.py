@@ -42,6 +42,7 @@ SPEC = BackendSpec(
     plugin_api="1.0",
     supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search"}),
     lacks={
+        "structured_output": "lmdock's own sampler has no grammar engine yet (vLLM's backend has structured output)",
         "embed": "embedding models are not wired into lmdock-hf yet",
         "score": "scoring is not wired into lmdock-hf yet",
         "quantization": "no QuantConfig algorithm is implemented in lmdock-hf yet",

@@ -82,7 +82,7 @@ SPEC = BackendSpec(
     name="vllm",
     kind="request",
     plugin_api="1.0",
-    supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "quantization"}),
+    supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "structured_output", "quantization"}),
     lacks={
         "beam_search": "vLLM's beam search is LLM.beam_search(), outside the engine's request API that lmdock drives",
         "next_token_logprobs": "vLLM schedules for itself and keeps no per-prefix state lmdock can query; use lmdock-hf or lmdock-mlx",

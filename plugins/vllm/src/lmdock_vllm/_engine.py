@@ -18,7 +18,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmdock import BackendError, EngineClosedError, EngineRequest, ModelConfig, OutputSink, RequestError, UnsupportedError, read_model_json
+from lmdock import (
+    BackendError,
+    EngineClosedError,
+    EngineRequest,
+    ModelConfig,
+    OutputSink,
+    RequestError,
+    UnsupportedError,
+    read_model_json,
+)
 from lmdock._outputs import CompletionOutput, Logprob, RequestOutput
 
 from lmdock_vllm._translate import sampling_kwargs
@@ -230,6 +239,10 @@ def _sampling_params(kwargs: dict[str, Any]) -> Any:
     from vllm.sampling_params import RequestOutputKind
 
     kwargs = dict(kwargs, output_kind=RequestOutputKind[kwargs["output_kind"]])
+    if kwargs.get("structured_outputs") is not None:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        kwargs["structured_outputs"] = StructuredOutputsParams(**{k: v for k, v in kwargs["structured_outputs"].items() if v is not None})
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:

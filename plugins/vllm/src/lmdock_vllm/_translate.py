@@ -162,6 +162,9 @@ def sampling_kwargs(p: SamplingParams, *, prompt_len: int, max_model_len: int, s
         "prompt_logprobs": p.prompt_logprobs,
         "output_kind": "CUMULATIVE" if stream else "FINAL_ONLY",
     }
+    so = p.structured_output
+    if so is not None:  # vllm.sampling_params.StructuredOutputsParams(**...), built by the engine
+        kwargs["structured_outputs"] = {"json": so.json, "regex": so.regex, "choice": list(so.choice) or None, "grammar": so.grammar}
     if p.greedy:
         kwargs["temperature"] = 0.0
     else:

@@ -1,0 +1,129 @@
+"""The mapping of lmdock's portable types onto vLLM's, checked against vLLM's own classes."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+from lmdock import QuantConfig, SamplingParams, UnsupportedError
+from lmdock._config import model_config
+from lmdock_vllm import VllmOptions
+from lmdock_vllm._translate import engine_kwargs, quantization, sampling_kwargs, with_options
+
+
+def _mc(**entry):  # type: ignore[no-untyped-def]
+    return model_config({"model": "some/model"} | entry, source="<test>")
+
+
+def test_every_sampling_field_reaches_vllm() -> None:
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    p = SamplingParams(
+        n=2, temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.25,
+        repetition_penalty=1.1, max_new_tokens=33, min_new_tokens=4, ignore_eos=True, stop=("park", "ball"),
+        stop_token_ids=(7, 9), include_stop_str_in_output=True, detokenize=True, skip_special_tokens=False,
+        seed=1234, logprobs=3, prompt_logprobs=2,
+    )
+    kwargs = sampling_kwargs(p, prompt_len=5, max_model_len=512, stream=True)
+    v = VllmSamplingParams(**dict(kwargs, output_kind=RequestOutputKind[kwargs["output_kind"]]))
+    assert (v.n, v.temperature, v.top_k, v.top_p, v.min_p) == (2, 0.7, 40, 0.9, 0.05)
+    assert (v.presence_penalty, v.frequency_penalty, v.repetition_penalty) == (0.5, 0.25, 1.1)
+    assert (v.max_tokens, v.min_tokens, v.ignore_eos, v.seed) == (33, 4, True, 1234)
+    assert v.stop == ["park", "ball"] and v.stop_token_ids == [7, 9] and v.include_stop_str_in_output
+    assert (v.skip_special_tokens, v.logprobs, v.prompt_logprobs) == (False, 3, 2)
+    assert v.output_kind == RequestOutputKind.CUMULATIVE
+
+
+def test_greedy_and_defaults() -> None:
+    kwargs = sampling_kwargs(SamplingParams(top_k=1, temperature=0.9, max_new_tokens=None), prompt_len=12, max_model_len=512, stream=False)
+    assert kwargs["temperature"] == 0.0 and "top_k" not in kwargs
+    assert kwargs["max_tokens"] == 500  # the rest of the context, as lmdock's own loop does
+    assert kwargs["output_kind"] == "FINAL_ONLY"
+
+
+def test_beam_search_is_refused_with_a_pointer() -> None:
+    with pytest.raises(UnsupportedError, match="beam_width=4.*hf or mlx"):
+        sampling_kwargs(SamplingParams(beam_width=4), prompt_len=3, max_model_len=512, stream=False)
+
+
+def test_engine_kwargs_are_vllm_engine_args() -> None:
+    from vllm import EngineArgs
+
+    models = os.environ.get("LMDOCK_MODELS")
+    assert models, "set LMDOCK_MODELS to the folder holding stories260K-hd32 (../shared/models)"
+    mc = _mc(
+        model=str(Path(models) / "stories260K-hd32"),  # EngineArgs resolves the model: a local folder
+        build={"dtype": "bfloat16", "max_seq_len": 256, "max_batch_size": 8, "max_num_tokens": 1024,
+               "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "distributed_executor": "ray"},
+        kv_cache={"dtype": "fp8", "memory_fraction": 0.8, "cpu_space_gib": 4, "enable_prefix_caching": False, "max_tokens": 1000},
+        scheduler={"policy": "priority"},
+    )
+    kwargs = with_options(engine_kwargs(mc, cpu=False), VllmOptions(enforce_eager=True, engine_args={"seed": 7}), None)
+    args = EngineArgs(**kwargs)  # unknown keywords would be a TypeError
+    assert (args.dtype, args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens) == ("bfloat16", 256, 8, 1024)
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size, args.distributed_executor_backend) == (2, 2, "ray")
+    assert (args.kv_cache_dtype, args.gpu_memory_utilization, args.kv_offloading_size) == ("fp8", 0.8, 4)
+    assert args.enable_prefix_caching is False and args.scheduling_policy == "priority"
+    assert args.num_gpu_blocks_override == 63 and args.block_size == 16  # ceil(1000 / 16)
+    assert args.enforce_eager and args.seed == 7 and args.logprobs_mode == "raw_logprobs"
+
+
+def test_cpu_build_sizes_the_kv_cache_in_ram_and_runs_float32() -> None:
+    mc = _mc(kv_cache={"cpu_space_gib": 1.5})
+    kwargs = engine_kwargs(mc, cpu=True)
+    assert kwargs["kv_cache_memory_bytes"] == int(1.5 * 2**30) and "kv_offloading_size" not in kwargs
+    assert kwargs["dtype"] == "float32"  # lmdock's "auto" on a CPU; vLLM's own would be bfloat16
+    assert engine_kwargs(_mc(), cpu=False)["dtype"] == "auto"
+    with pytest.raises(UnsupportedError, match="memory_fraction.*cpu_space_gib"):
+        engine_kwargs(_mc(kv_cache={"memory_fraction": 0.5}), cpu=True)
+
+
+@pytest.mark.parametrize(
+    ("entry", "match"),
+    [
+        ({"kv_cache": {"dtype": "int8"}}, "kv_cache.dtype 'int8'"),
+        ({"kv_cache": {"dtype": "float32"}}, "kv_cache.dtype 'float32'"),
+        ({"scheduler": {"policy": "static_batch"}}, "scheduler.policy 'static_batch'"),
+        ({"build": {"device": "mps"}}, "build.device 'mps'"),
+        ({"build": {"max_beam_width": 4}}, "max_beam_width"),
+        ({"offload": {"weights_gpu_percent": 50, "weights_cpu_percent": 50}}, "cpu_offload_gb"),
+    ],
+)
+def test_what_vllm_cannot_do_is_refused_by_name(entry: dict, match: str) -> None:
+    with pytest.raises(UnsupportedError, match=match):
+        engine_kwargs(_mc(**entry), cpu=True)
+
+
+def test_quantization_methods() -> None:
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    assert quantization(QuantConfig(algo="int8_weight_only"), cpu=True) in QUANTIZATION_METHODS
+    assert quantization(QuantConfig(algo="fp8"), cpu=False) in QUANTIZATION_METHODS
+    assert quantization(QuantConfig(algo="awq", checkpoint_prequantized=True), cpu=False) is None  # read from the checkpoint
+    for algo, cpu, match in [("fp8", True, "no fp8 kernels"), ("awq", False, "checkpoint_prequantized"),
+                             ("int4_weight_only", False, "int4_weight_only"), ("int8_dynamic", True, "int8_dynamic")]:
+        with pytest.raises(UnsupportedError, match=match):
+            quantization(QuantConfig(algo=algo), cpu=cpu)
+    with pytest.raises(UnsupportedError, match="group_size"):
+        quantization(QuantConfig(algo="int8_weight_only", group_size=64), cpu=True)
+
+
+def test_online_quantization_takes_bfloat16_weights() -> None:
+    mc = _mc(quantization={"algo": "int8_weight_only"})
+    assert with_options(engine_kwargs(mc, cpu=True), VllmOptions(), "int8_per_channel_weight_only")["dtype"] == "bfloat16"
+    mc = _mc(quantization={"algo": "int8_weight_only"}, build={"dtype": "float32"})
+    with pytest.raises(UnsupportedError, match="bfloat16"):
+        with_options(engine_kwargs(mc, cpu=True), VllmOptions(), "int8_per_channel_weight_only")
+
+
+def test_options_table_is_strict() -> None:
+    from lmdock import ConfigError
+    from lmdock._schema import build
+
+    assert build(VllmOptions, {"enforce_eager": True}, source="<t>", prefix="backends.vllm").enforce_eager
+    with pytest.raises(ConfigError, match="enforce_eagre"):
+        build(VllmOptions, {"enforce_eagre": True}, source="<t>", prefix="backends.vllm")
+    assert {f.name for f in dataclasses.fields(VllmOptions)} >= {"engine_args", "multiprocessing"}
