@@ -81,3 +81,29 @@ def test_process_exits_cleanly(stories: Path, shutdown: str) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "terminate called" not in out.stderr
+
+
+def test_decode_group_survives_joins_and_leaves(stories: Path) -> None:
+    """Requests of different lengths arriving at different times: the persistent decode group gains
+    and loses rows while others keep decoding, and every result equals the request run alone."""
+    import time
+
+    prompts = ["Once upon a time", "The cat", "Lily and Tom", "One day", "The sun was", "A little dog"]
+    lengths = [60, 5, 22, 12, 40, 3]
+    params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in lengths]
+    with LLM(str(stories), backend="mlx") as llm:
+        alone = [llm.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+        engine = llm.engine.engine  # the step engine under lmdock's loop
+        sizes: list[int] = []
+        decode_group = engine._decode_group
+        engine._decode_group = lambda tokens: (sizes.append(len(engine.group_ids)), decode_group(tokens))[1]
+        futures = [llm.generate_async(p, sp) for p, sp in zip(prompts[:2], params[:2])]
+        futures[1].result(timeout=60)  # a row leaves while the first request is still decoding
+        futures += [llm.generate_async(p, sp) for p, sp in zip(prompts[2:], params[2:])]  # rows join
+        together = [f.result(timeout=60).outputs[0].token_ids for f in futures]
+        deadline = time.monotonic() + 5
+        while (engine.group_ids or engine.caches) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.group_ids == [] and engine.caches == {}  # every row and cache released
+    assert together == alone
+    assert max(sizes) >= 4 and len(set(sizes)) >= 3  # the group grew and shrank while decoding

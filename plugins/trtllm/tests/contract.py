@@ -56,7 +56,7 @@ def _split_top(s: str) -> list[str]:
 
 
 _SIMPLE = {
-    "int": int, "float": float, "bool": bool, "str": str, "Path": str,
+    "int": int, "float": float, "bool": bool, "str": str, "Path": str, "dict": dict,
     "NonNegativeInt": int, "PositiveInt": int, "NonNegativeFloat": float, "PositiveFloat": float,
 }
 

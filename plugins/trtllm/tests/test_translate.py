@@ -128,7 +128,23 @@ def test_every_sampling_field_is_translated() -> None:
     assert covered == {"n", "temperature", "top_k", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
                        "max_new_tokens", "min_new_tokens", "ignore_eos", "stop", "stop_token_ids", "include_stop_str_in_output",
                        "detokenize", "skip_special_tokens", "seed", "logprobs", "prompt_logprobs", "beam_width", "length_penalty",
-                       "early_stopping"}, "a new SamplingParams field needs a TensorRT-LLM translation"
+                       "early_stopping", "structured_output"}, "a new SamplingParams field needs a TensorRT-LLM translation"
+
+
+def test_structured_output_becomes_guided_decoding() -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    for so, expected in [({"json": schema}, {"json": schema}), ({"regex": "[a-z]+"}, {"regex": "[a-z]+"}),
+                         ({"grammar": "root ::= \"a\""}, {"grammar": "root ::= \"a\""}),
+                         ({"choice": ["yes", "a.b"]}, {"regex": "(yes|a\\.b)"})]:
+        kwargs = sampling_kwargs(SamplingParams(structured_output=so), prompt_len=3, max_seq_len=None, guided_backend="xgrammar")
+        check_kwargs("SamplingParams", kwargs)
+        assert kwargs["guided_decoding"] == ConfigRef("GuidedDecodingParams", expected)
+    with pytest.raises(UnsupportedError, match="guided_decoding_backend"):
+        sampling_kwargs(SamplingParams(structured_output={"regex": "a"}), prompt_len=3, max_seq_len=None)
+    mc = model_config({"model": "m"}, source="<t>")
+    check_kwargs("LLM", llm_kwargs(mc, "current", guided_decoding_backend="xgrammar"))
+    with pytest.raises(UnsupportedError, match="current"):
+        llm_kwargs(mc, "legacy", guided_decoding_backend="xgrammar")
 
 
 def test_beam_search_is_spelled_as_tensorrt_llm_spells_it_now() -> None:

@@ -101,9 +101,12 @@ def test_chat_through_vllms_tokenizer(llm: LLM) -> None:
     assert out[0].outputs[0].token_ids == GREEDY_40[:5]
 
 
-def test_shutdown_stops_the_engine_thread() -> None:
-    engine = LLM(model(), backend="vllm", build={"max_seq_len": 128}, backends={"vllm": {"enforce_eager": True}})
+def test_shutdown_stops_the_engine_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    engine = LLM(model(), backend="vllm", build={"max_seq_len": 128}, backends={"vllm": {"enforce_eager": True, "multiprocessing": False}})
     assert engine.engine.max_seq_len == 128
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert hasattr(engine.engine._engine, "model_executor")  # in-process only: LLMEngine holds the executor
     with pytest.raises(LmdockError, match="context"):
         engine.generate("Once upon a time " * 60)
     thread = engine.engine._thread

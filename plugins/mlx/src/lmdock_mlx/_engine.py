@@ -44,6 +44,10 @@ class MlxStepEngine:
         self.generation_config = generation_config
         self.kv_capacity_tokens = kv_max_tokens
         self.caches: dict[int, list[Any]] = {}
+        # The decode group: sequences decoding together keep one left-padded BatchKVCache per layer
+        # across steps (row i is group_ids[i]); their per-sequence caches are not in self.caches.
+        self.group_ids: list[int] = []
+        self.group: list[Any] = []
 
     @classmethod
     def load(cls, mc: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> MlxStepEngine:
@@ -85,11 +89,13 @@ class MlxStepEngine:
         from mlx_lm.models.cache import make_prompt_cache
 
         pending: list[Any] = [None] * len(chunks)
-        decode = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1 and not c.all_logits and c.start > 0 and self._plain(c.seq_id)]
-        if len(decode) > 1:
-            rows = self._decode_batch([chunks[i] for i in decode])
-            for k, i in enumerate(decode):
-                pending[i] = rows[k : k + 1]
+        decode = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1 and not c.all_logits and c.start > 0 and self._decodable(c.seq_id)]
+        self._regroup([chunks[i].seq_id for i in decode] if len(decode) > 1 else [])
+        if self.group_ids:
+            rows = self._decode_group({chunks[i].seq_id: chunks[i].token_ids[0] for i in decode})
+            for i in decode:
+                r = self.group_ids.index(chunks[i].seq_id)
+                pending[i] = rows[r : r + 1]
         for i, c in enumerate(chunks):
             if pending[i] is not None:
                 continue
@@ -108,32 +114,68 @@ class MlxStepEngine:
                 full[c.seq_id] = rows
         return StepOutput(last, full)
 
-    def _plain(self, seq_id: int) -> bool:
+    def _decodable(self, seq_id: int) -> bool:
         from mlx_lm.models.cache import KVCache
 
+        if seq_id in self.group_ids:
+            return True
         cache = self.caches.get(seq_id)
         return cache is not None and all(type(c) is KVCache for c in cache)
 
-    def _decode_batch(self, chunks: Sequence[SeqChunk]) -> Any:
-        """One forward for single-token chunks at different positions: the sequences' caches are
-        merged into mlx-lm's left-padded ``BatchKVCache`` (per-row RoPE offsets and mask), then each
-        row's cache is taken back out."""
+    def _regroup(self, members: list[int]) -> None:
+        """Make the decode group hold exactly ``members``: rows of sequences that leave are taken out
+        (their caches go back to self.caches) and the caches of those that join are merged in.  A
+        steady batch pays nothing here; only joins and leaves copy KV state."""
         from mlx_lm.models.cache import BatchKVCache
 
-        per_seq = [self.caches[c.seq_id] for c in chunks]
-        batch = [BatchKVCache.merge([layers[i] for layers in per_seq]) for i in range(len(per_seq[0]))]
-        logits = self.model(mx.array([[c.token_ids[0]] for c in chunks]), cache=batch)[:, -1]
-        for row, c in enumerate(chunks):
-            self.caches[c.seq_id] = [layer.extract(row) for layer in batch]
-        return logits
+        wanted = set(members)
+        leaving = [s for s in self.group_ids if s not in wanted]
+        for s in leaving:
+            row = self.group_ids.index(s)
+            self.caches[s] = [layer.extract(row) for layer in self.group]
+        if leaving:
+            self._drop_rows(leaving)
+        joining = [s for s in members if s not in self.group_ids]
+        if not joining:
+            return
+        per_seq = [self.caches.pop(s) for s in joining]
+        merged = [BatchKVCache.merge([layers[i] for layers in per_seq]) for i in range(len(per_seq[0]))]
+        if self.group:
+            for layer, extra in zip(self.group, merged):
+                layer.extend(extra)
+        else:
+            self.group = merged
+        self.group_ids += joining
+
+    def _drop_rows(self, seq_ids: list[int]) -> None:
+        keep = [r for r, s in enumerate(self.group_ids) if s not in seq_ids]
+        if not keep:
+            self.group_ids, self.group = [], []
+            return
+        index = mx.array(keep)
+        for layer in self.group:
+            layer.filter(index)
+        self.group_ids = [self.group_ids[r] for r in keep]
+
+    def _decode_group(self, tokens: dict[int, int]) -> Any:
+        """One forward for the group: one new token per row, each row at its own position (mlx-lm's
+        BatchKVCache keeps per-row RoPE offsets and the left-padding mask)."""
+        ids = mx.array([[tokens[s]] for s in self.group_ids])
+        return self.model(ids, cache=self.group)[:, -1]
 
     def release(self, seq_id: int) -> None:
         self.caches.pop(seq_id, None)
+        if seq_id in self.group_ids:
+            self._drop_rows([seq_id])
 
     def fork(self, src_seq_id: int, dst_seq_id: int, length: int) -> bool:
         from mlx_lm.models.cache import KVCache
 
-        src = self.caches.get(src_seq_id)
+        if src_seq_id in self.group_ids:
+            row = self.group_ids.index(src_seq_id)
+            src = [layer.extract(row) for layer in self.group]
+        else:
+            src = self.caches.get(src_seq_id)
         if src is None or not all(type(c) is KVCache for c in src):
             return False
         copies = []
@@ -150,9 +192,11 @@ class MlxStepEngine:
         and a stream left behind aborts the process at exit ("terminate called without an active
         exception")."""
         self.caches.clear()
+        self.group_ids, self.group = [], []
         mx.synchronize()
         mx.clear_streams()
 
     def close(self) -> None:
         self.caches.clear()
+        self.group_ids, self.group = [], []
         self.model = None

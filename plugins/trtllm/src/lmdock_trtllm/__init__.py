@@ -26,6 +26,9 @@ class TrtllmOptions:
     api: Literal["auto", "current", "legacy"] = "auto"
     skip_tokenizer_init: bool = False
     enable_chunked_prefill: bool = True
+    #: Structured output's engine (TensorRT-LLM's ``guided_decoding_backend``); None: requests with
+    #: ``structured_output`` are refused.
+    guided_decoding_backend: Literal["xgrammar", "llguidance"] | None = None
     #: Passed to ``tensorrt_llm.LLM(...)`` as they are (TensorRT-LLM validates them).
     llm_args: dict[str, Any] = field(default_factory=dict)
 
@@ -49,9 +52,8 @@ SPEC = BackendSpec(
     name="trtllm",
     kind="request",
     plugin_api="1.0",
-    supports=frozenset({"generate", "stream", "sampling", "logprobs", "prompt_logprobs", "beam_search", "quantization"}),
+    supports=frozenset({"generate", "stream", "sampling", "logprobs", "prompt_logprobs", "beam_search", "structured_output", "quantization"}),
     lacks={
-        "structured_output": "not wired yet: TensorRT-LLM's GuidedDecodingParams are not mapped",
         "chat": "not wired yet: TensorRT-LLM's tokenizer has apply_chat_template, lmdock-trtllm does not call it yet",
         "next_token_logprobs": "TensorRT-LLM schedules for itself; no per-prefix logprob queries",
         "embed": "TensorRT-LLM's LLM API serves causal LMs",
@@ -101,7 +103,8 @@ def lmdock_translate_build_config(backend: str, model_config: ModelConfig) -> di
 
     opts = _options(model_config)
     api = detect_api(model_config, opts.api)
-    kwargs = llm_kwargs(model_config, api, skip_tokenizer_init=opts.skip_tokenizer_init, enable_chunked_prefill=opts.enable_chunked_prefill, extra=opts.llm_args)
+    kwargs = llm_kwargs(model_config, api, skip_tokenizer_init=opts.skip_tokenizer_init, enable_chunked_prefill=opts.enable_chunked_prefill,
+                        guided_decoding_backend=opts.guided_decoding_backend, extra=opts.llm_args)
     return {"api": api, "llm_kwargs": kwargs}
 
 

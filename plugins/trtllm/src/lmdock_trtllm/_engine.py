@@ -35,8 +35,9 @@ def _llm_class(api: Api) -> Any:
 
 
 class TrtllmEngine:
-    def __init__(self, llm: Any, api: Api, max_seq_len: int, generation_config: dict[str, Any]) -> None:
+    def __init__(self, llm: Any, api: Api, max_seq_len: int, generation_config: dict[str, Any], guided_backend: str | None = None) -> None:
         self._llm = llm
+        self.guided_backend = guided_backend
         self.api = api
         self.tokenizer = getattr(llm, "tokenizer", None)
         self.max_seq_len = max_seq_len
@@ -55,7 +56,7 @@ class TrtllmEngine:
         except ValueError as exc:  # unknown or invalid arguments, checked before anything loads
             raise BackendError(f"TensorRT-LLM refused the configuration of {mc.model!r}: {exc}") from exc
         max_seq_len = int(getattr(getattr(llm, "args", None), "max_seq_len", None) or llm_kwargs.get("max_seq_len") or 0) or _context(mc.model)
-        return cls(llm, api, max_seq_len, read_model_json(mc.model, "generation_config.json"))
+        return cls(llm, api, max_seq_len, read_model_json(mc.model, "generation_config.json"), llm_kwargs.get("guided_decoding_backend"))
 
     # -- the RequestEngine interface ------------------------------------------------------------
 
@@ -69,7 +70,8 @@ class TrtllmEngine:
         if len(request.prompt_token_ids) >= self.max_seq_len:
             raise RequestError(f"the prompt has {len(request.prompt_token_ids)} tokens but the model's context is {self.max_seq_len}")
         try:
-            kwargs = sampling_kwargs(request.params, prompt_len=len(request.prompt_token_ids), max_seq_len=self.max_seq_len)
+            kwargs = sampling_kwargs(request.params, prompt_len=len(request.prompt_token_ids), max_seq_len=self.max_seq_len,
+                                     guided_backend=self.guided_backend)
         except UnsupportedError as exc:
             raise RequestError(str(exc)) from None
         from tensorrt_llm import SamplingParams

@@ -25,7 +25,7 @@ class ConfigRef:
 
 
 #: Where each referenced name lives in tensorrt_llm (first match wins).
-MODULES = ("tensorrt_llm.llmapi", "tensorrt_llm", "tensorrt_llm.quantization.mode", "tensorrt_llm.builder")
+MODULES = ("tensorrt_llm.llmapi", "tensorrt_llm", "tensorrt_llm.sampling_params", "tensorrt_llm.quantization.mode", "tensorrt_llm.builder")
 
 
 def _lookup(name: str) -> Any:

@@ -15,6 +15,7 @@ Everything here is pure: no ``tensorrt_llm`` import.  What TensorRT-LLM cannot d
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from lmdock import ModelConfig, QuantConfig, SamplingParams, UnsupportedError
@@ -119,7 +120,8 @@ def _limits(mc: ModelConfig) -> dict[str, Any]:
     return limits
 
 
-def llm_kwargs(mc: ModelConfig, api: Api, *, skip_tokenizer_init: bool = False, enable_chunked_prefill: bool = True, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def llm_kwargs(mc: ModelConfig, api: Api, *, skip_tokenizer_init: bool = False, enable_chunked_prefill: bool = True,
+               guided_decoding_backend: str | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Keyword arguments for ``tensorrt_llm.LLM(**kwargs)``."""
     b = mc.build
     if b.device not in ("auto", "cuda") and not b.device.startswith("cuda:"):
@@ -140,6 +142,10 @@ def llm_kwargs(mc: ModelConfig, api: Api, *, skip_tokenizer_init: bool = False, 
     kwargs["kv_cache_config"] = kv_cache_config(mc, api)
     kwargs["scheduler_config"] = scheduler_config(mc)
     kwargs["enable_chunked_prefill"] = enable_chunked_prefill
+    if guided_decoding_backend is not None:
+        if api == "legacy":
+            raise UnsupportedError("guided_decoding_backend: structured output needs the current (PyTorch) TensorRT-LLM API")
+        kwargs["guided_decoding_backend"] = guided_decoding_backend
     limits = _limits(mc)
     if api == "current":
         kwargs.update(limits)
@@ -158,8 +164,11 @@ def llm_kwargs(mc: ModelConfig, api: Api, *, skip_tokenizer_init: bool = False, 
 # -------------------------------------------------------------------------------------------------
 
 
-def sampling_kwargs(p: SamplingParams, *, prompt_len: int, max_seq_len: int | None) -> dict[str, Any]:
-    """Keyword arguments for ``tensorrt_llm.SamplingParams(**kwargs)`` for one request."""
+def sampling_kwargs(p: SamplingParams, *, prompt_len: int, max_seq_len: int | None, guided_backend: str | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``tensorrt_llm.SamplingParams(**kwargs)`` for one request.
+
+    ``guided_backend`` is the LLM's ``guided_decoding_backend``, which structured output needs.
+    """
     kwargs: dict[str, Any] = {}
     if p.max_new_tokens is not None:
         kwargs["max_tokens"] = p.max_new_tokens
@@ -192,7 +201,24 @@ def sampling_kwargs(p: SamplingParams, *, prompt_len: int, max_seq_len: int | No
             kwargs[name] = k
     if p.logprobs is not None:
         kwargs["logprobs_mode"] = EnumRef("LogprobMode", "RAW")  # lmdock's logprobs are the raw model's
+    if p.structured_output is not None:
+        kwargs["guided_decoding"] = guided_decoding(p, guided_backend)
     return kwargs
+
+
+def guided_decoding(p: SamplingParams, guided_backend: str | None) -> ConfigRef:
+    """``SamplingParams.structured_output`` -> ``GuidedDecodingParams`` (a choice becomes a regex)."""
+    if guided_backend is None:
+        raise UnsupportedError(
+            'structured_output: this TensorRT-LLM LLM was built without a guided decoding backend; set '
+            'backends.trtllm.guided_decoding_backend = "xgrammar" (or "llguidance")'
+        )
+    so = p.structured_output
+    assert so is not None
+    if so.choice:
+        return ConfigRef("GuidedDecodingParams", {"regex": "(" + "|".join(re.escape(c) for c in so.choice) + ")"})
+    key = next(k for k in ("json", "regex", "grammar") if getattr(so, k))
+    return ConfigRef("GuidedDecodingParams", {key: getattr(so, key)})
 
 
 def _sampling(p: SamplingParams) -> dict[str, Any]:

@@ -32,8 +32,8 @@ class VllmOptions:
     enforce_eager: bool = False
     #: Most logprobs a request may ask for (vLLM's ``max_logprobs``; -1: the vocabulary).
     max_logprobs: int = 20
-    #: Run vLLM's engine core in a separate process (vLLM's default) or in this one.  None: vLLM's
-    #: own choice, which ``VLLM_ENABLE_V1_MULTIPROCESSING`` sets.
+    #: Run vLLM's engine core in a separate process (vLLM's default) or in this one, by setting
+    #: ``VLLM_ENABLE_V1_MULTIPROCESSING`` for the process (vLLM reads only that).  None: leave it.
     multiprocessing: bool | None = None
     #: Passed to ``vllm.EngineArgs(...)`` as they are, after lmdock's own translation (vLLM validates
     #: them): anything lmdock has no portable name for, ``{"cpu_offload_gb": 4}`` for one.

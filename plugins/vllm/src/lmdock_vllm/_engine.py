@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -227,9 +228,12 @@ def _build(mc: ModelConfig, engine_kwargs: dict[str, Any], multiprocessing: bool
         args = EngineArgs(**engine_kwargs)
     except TypeError as exc:  # an unknown engine_args key
         raise BackendError(f"vLLM refused the engine arguments of {mc.model!r}: {exc}") from None
-    extra = {} if multiprocessing is None else {"enable_multiprocessing": multiprocessing}
+    if multiprocessing is not None:
+        # vLLM reads this variable itself (LLMEngine, the CPU platform's executor choice), and an
+        # explicit enable_multiprocessing=False loses to it, so the option sets it.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
     try:
-        return LLMEngine.from_engine_args(args, **extra)
+        return LLMEngine.from_engine_args(args)
     except ValueError as exc:  # pydantic validation of the config: bad values, unsupported combinations
         raise BackendError(f"vLLM refused the configuration of {mc.model!r}: {exc}") from None
 
