@@ -149,6 +149,9 @@ class VllmEngine:
             self._live.clear()
             self._closed = True
         finally:
+            for item in _drain(self._inbox):  # submitted while the engine stopped: answer, never hang
+                if isinstance(item, tuple):
+                    item[1].fail(EngineClosedError("the vLLM engine stopped before this request started; create a new LLM"))
             self._shutdown()
 
     def _handle(self, item: Any) -> bool:
