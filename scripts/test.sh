@@ -75,8 +75,10 @@ echo "vllm environment installed in $(( $(date +%s) - vllm_t0 )) s"
 vllm_t0=$(date +%s)
 (export VLLM_CPU_KVCACHE_SPACE=1; "$ENVS/vllm/bin/lmdock" generate -m stories-vllm "Once upon a time")
 echo "lmdock generate on vllm (engine start and one request) took $(( $(date +%s) - vllm_t0 )) s"
-VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 t "$vl" plugins/vllm/tests
-VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 t "$vl" --pyargs lmdock_conformance --lmdock-backend=vllm --lmdock-model="$LMDOCK_MODELS/stories260K-hd32" -rs
+# The suites open several LLMs in one process, so vLLM's engine core runs in its own process there
+# (vLLM's default); the generate above ran it in-process (lmdock.toml's multiprocessing = false).
+VLLM_CPU_KVCACHE_SPACE=1 t "$vl" plugins/vllm/tests
+VLLM_CPU_KVCACHE_SPACE=1 t "$vl" --pyargs lmdock_conformance --lmdock-backend=vllm --lmdock-model="$LMDOCK_MODELS/stories260K-hd32" -rs
 
 echo "== mlx: lmdock + lmdock-mlx"
 mlx=$(fresh_env mlx)

@@ -144,7 +144,7 @@ class LLM:
         if params.structured_output is not None:
             ok, reason = self.backend.capability("structured_output")
             if not ok:
-                raise RequestError(f"structured_output: backend {self.backend.name!r} cannot constrain its output ({reason}); use the vllm backend")
+                raise RequestError(f"structured_output: backend {self.backend.name!r} cannot constrain its output ({reason}); pick a backend that lists structured_output in `lmdock backends`")
         return EngineRequest(f"req-{next(_ids)}", text, ids, params, stream)
 
     def _tokenizer(self) -> Any:

@@ -107,6 +107,8 @@ def test_shutdown_stops_the_engine_thread(monkeypatch: pytest.MonkeyPatch) -> No
     assert engine.engine.max_seq_len == 128
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert hasattr(engine.engine._engine, "model_executor")  # in-process only: LLMEngine holds the executor
+    with pytest.raises(LmdockError, match="another LLM already runs vLLM's engine core in this process"):
+        LLM(model(), backend="vllm", backends={"vllm": {"multiprocessing": False}})  # refused before loading
     with pytest.raises(LmdockError, match="context"):
         engine.generate("Once upon a time " * 60)
     thread = engine.engine._thread
@@ -115,3 +117,12 @@ def test_shutdown_stops_the_engine_thread(monkeypatch: pytest.MonkeyPatch) -> No
     assert not thread.is_alive()
     with pytest.raises(EngineClosedError):
         engine.engine.submit(None, None)  # type: ignore[arg-type]
+
+
+def test_streamed_logprobs_equal_the_final_ones(llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_new_tokens=12, logprobs=3)
+    snapshots = list(llm.stream("Once upon a time", params))
+    streamed, final = snapshots[-1].outputs[0], llm.generate("Once upon a time", params)[0].outputs[0]
+    assert len(snapshots) > 2 and len(streamed.logprobs) == len(streamed.token_ids) == 12
+    assert [{t: lp.logprob for t, lp in pos.items()} for pos in streamed.logprobs] == [{t: lp.logprob for t, lp in pos.items()} for pos in final.logprobs]
+    assert all(len(s.outputs[0].logprobs) == len(s.outputs[0].token_ids) for s in snapshots)

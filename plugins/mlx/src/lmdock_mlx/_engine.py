@@ -93,8 +93,9 @@ class MlxStepEngine:
         self._regroup([chunks[i].seq_id for i in decode] if len(decode) > 1 else [])
         if self.group_ids:
             rows = self._decode_group({chunks[i].seq_id: chunks[i].token_ids[0] for i in decode})
+            row_of = {s: r for r, s in enumerate(self.group_ids)}
             for i in decode:
-                r = self.group_ids.index(chunks[i].seq_id)
+                r = row_of[chunks[i].seq_id]
                 pending[i] = rows[r : r + 1]
         for i, c in enumerate(chunks):
             if pending[i] is not None:

