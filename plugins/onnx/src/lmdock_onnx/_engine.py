@@ -1,0 +1,331 @@
+"""An ONNX Runtime ``InferenceSession`` as an lmdock step engine.
+
+KV state lives in preallocated NumPy buffers, per layer ``[slots, kv_heads, capacity, head_dim]``:
+one slot per live sequence, kept compact (a released slot is refilled by the last one), capacity
+grown by doubling.  A step passes the model the **whole** capacity of the rows it runs as their past
+(a slice of contiguous slots is one contiguous block, bound to the session by pointer: no copy) and an
+attention mask that lets each row see only its own positions: ``[1] * start + [0] * (capacity -
+start) + [1] * new``.  Rows at different positions therefore decode in one batch, and the graph
+returns only the new positions' KV, which the engine writes into the buffers.  Each step runs one
+session call for all single-token (decode) chunks and one per prefill chunk.
+
+Folders exported elsewhere work when they follow the convention in docs/backends/onnx.md; where
+their ``present`` outputs put the new positions (only the new ones, appended after the past, or at
+each row's own length as ONNX Runtime's GroupQueryAttention does) is found by one probe at load.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from lmdock import BackendError, SeqChunk, StepOutput, UnsupportedError
+
+_NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(bfloat16)": None}
+_OPT_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
+
+
+@dataclass
+class Layout:
+    """How a folder's graph names and shapes its inputs and outputs."""
+
+    past_keys: list[str]
+    past_values: list[str]
+    present_keys: list[str]
+    present_values: list[str]
+    position_ids: bool
+    kv_heads: int
+    head_dim: int
+    dtype: Any
+    vocab_size: int | None
+    #: where ``present`` holds the new positions: "new" (only them), "append" (after the whole
+    #: past), "row" (at each row's own length); found by ``probe``.
+    present: str = "new"
+
+    @property
+    def layers(self) -> int:
+        return len(self.past_keys)
+
+
+def read_layout(session: Any, folder: Path) -> Layout:
+    names = _genai_names(folder)
+    inputs = {i.name: i for i in session.get_inputs()}
+    outputs = {o.name: o for o in session.get_outputs()}
+    past_k, past_v, pres_k, pres_v = [], [], [], []
+    while names["past_key"] % len(past_k) in inputs:
+        i = len(past_k)
+        past_k.append(names["past_key"] % i)
+        past_v.append(names["past_value"] % i)
+        pres_k.append(names["present_key"] % i)
+        pres_v.append(names["present_value"] % i)
+    expected = {"input_ids", "attention_mask", *past_k, *past_v}
+    missing = [n for n in [*expected, *pres_k, *pres_v, "logits"] if n not in inputs and n not in outputs]
+    unknown = sorted(set(inputs) - expected - {"position_ids"})
+    if not past_k or missing or unknown:
+        raise BackendError(
+            f"{folder}: this ONNX graph does not follow lmdock-onnx's convention (docs/backends/onnx.md): "
+            + (f"missing {sorted(missing)[:6]}" if missing or not past_k else "")
+            + (f"; inputs lmdock does not feed: {unknown[:6]}" if unknown else "")
+            + ". Export it with lmdock-onnx (point LLM at the transformers checkpoint) or rename its inputs."
+        )
+    shape = inputs[past_k[0]].shape
+    dtype = _NP.get(inputs[past_k[0]].type)
+    if dtype is None or not all(isinstance(d, int) for d in (shape[1], shape[3])):
+        raise BackendError(f"{folder}: past KV input {past_k[0]} has type {inputs[past_k[0]].type} and shape {shape}; "
+                           "lmdock-onnx needs float32/float16 KV with fixed head count and head size")
+    vocab = outputs["logits"].shape[-1]
+    return Layout(past_k, past_v, pres_k, pres_v, "position_ids" in inputs, int(shape[1]), int(shape[3]), dtype,
+                  vocab if isinstance(vocab, int) else None)
+
+
+def _genai_names(folder: Path) -> dict[str, str]:
+    """Input/output name patterns: lmdock's (and optimum's), or those in onnxruntime-genai's config."""
+    names = {"past_key": "past_key_values.%d.key", "past_value": "past_key_values.%d.value",
+             "present_key": "present.%d.key", "present_value": "present.%d.value"}
+    genai = folder / "genai_config.json"
+    if genai.is_file():
+        decoder = json.loads(genai.read_text(encoding="utf-8"))["model"]["decoder"]
+        ins, outs = decoder.get("inputs", {}), decoder.get("outputs", {})
+        names["past_key"] = ins.get("past_key_names", names["past_key"])
+        names["past_value"] = ins.get("past_value_names", names["past_value"])
+        names["present_key"] = outs.get("present_key_names", names["present_key"])
+        names["present_value"] = outs.get("present_value_names", names["present_value"])
+    return names
+
+
+def session_options(options: Any) -> Any:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    if options.intra_op_num_threads is not None:
+        so.intra_op_num_threads = options.intra_op_num_threads
+    if options.inter_op_num_threads is not None:
+        so.inter_op_num_threads = options.inter_op_num_threads
+    so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _OPT_LEVELS[options.graph_optimization_level])
+    for key, value in options.session_config.items():
+        so.add_session_config_entry(key, str(value))
+    return so
+
+
+def providers(device: str, option: tuple[str, ...]) -> list[str]:
+    import onnxruntime as ort
+
+    have = ort.get_available_providers()
+    if option:
+        wanted = list(option)
+    elif device in ("auto", "cpu"):
+        wanted = ["CPUExecutionProvider"]
+    elif device.startswith("cuda"):
+        wanted = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    else:
+        raise UnsupportedError(f"build.device {device!r}: lmdock-onnx maps 'cpu' and 'cuda'; name other execution providers in "
+                               "[models.NAME.backends.onnx] providers = [...]")
+    absent = [p for p in wanted if p not in have]
+    if absent:
+        raise UnsupportedError(f"execution provider(s) {absent} are not in this onnxruntime build (it has {have}); "
+                               "install the onnxruntime package for that hardware (onnxruntime-gpu for CUDA)")
+    return wanted
+
+
+class SlotCache:
+    """Per-layer K and V buffers ``[slots, kv_heads, capacity, head_dim]``; slots kept compact."""
+
+    def __init__(self, layout: Layout, max_len: int) -> None:
+        self.layout = layout
+        self.max_len = max_len
+        self.k: list[np.ndarray] = []
+        self.v: list[np.ndarray] = []
+        self.slot_of: dict[int, int] = {}
+        self.seq_at: list[int] = []
+        self.cap_slots = 0
+        self.cap_len = 0
+
+    def slot(self, seq_id: int) -> int:
+        if seq_id not in self.slot_of:
+            self.slot_of[seq_id] = len(self.seq_at)
+            self.seq_at.append(seq_id)
+        return self.slot_of[seq_id]
+
+    def reserve(self, slots: int, length: int) -> None:
+        """Grow (by doubling) so ``slots`` slots of ``length`` positions fit; the only reallocation."""
+        new_slots, new_len = self.cap_slots, self.cap_len
+        while new_slots < slots:
+            new_slots = max(4, new_slots * 2)
+        while new_len < length:
+            new_len = min(self.max_len, max(64, new_len * 2))
+        if (new_slots, new_len) == (self.cap_slots, self.cap_len):
+            return
+        shape = (new_slots, self.layout.kv_heads, new_len, self.layout.head_dim)
+        for buffers in (self.k, self.v):
+            for layer in range(self.layout.layers):
+                grown = np.zeros(shape, dtype=self.layout.dtype)
+                if layer < len(buffers):
+                    old = buffers[layer]
+                    grown[: old.shape[0], :, : old.shape[2]] = old
+                    buffers[layer] = grown
+                else:
+                    buffers.append(grown)
+        self.cap_slots, self.cap_len = new_slots, new_len
+
+    def release(self, seq_id: int) -> None:
+        slot = self.slot_of.pop(seq_id, None)
+        if slot is None:
+            return
+        last = len(self.seq_at) - 1
+        if slot != last:  # keep slots compact: move the last sequence into the hole
+            for buf in (*self.k, *self.v):
+                buf[slot] = buf[last]
+            moved = self.seq_at[last]
+            self.seq_at[slot] = moved
+            self.slot_of[moved] = slot
+        self.seq_at.pop()
+
+    def copy(self, src: int, dst: int, length: int) -> None:
+        s, d = self.slot_of[src], self.slot(dst)
+        self.reserve(len(self.seq_at), length)
+        for buf in (*self.k, *self.v):
+            buf[d, :, :length] = buf[s, :, :length]
+
+
+class OnnxStepEngine:
+    """An exported causal LM on an ONNX Runtime session."""
+
+    def __init__(self, session: Any, layout: Layout, tokenizer: Any, *, eos: tuple[int, ...], max_seq_len: int,
+                 vocab_size: int, generation_config: dict[str, Any], kv_max_tokens: int | None, folder: Path) -> None:
+        self.session = session
+        self.layout = layout
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos
+        self.max_seq_len = max_seq_len
+        self.vocab_size = vocab_size
+        self.generation_config = generation_config
+        self.kv_capacity_tokens = kv_max_tokens
+        self.folder = folder
+        self.cache = SlotCache(layout, max_seq_len)
+        self.session_runs = 0
+        self._outputs = ["logits", *[n for pair in zip(layout.present_keys, layout.present_values) for n in pair]]
+
+    # -- the step-engine contract ---------------------------------------------------------------
+
+    def step(self, chunks: Sequence[SeqChunk]) -> StepOutput:
+        cache = self.cache
+        for c in chunks:
+            cache.slot(c.seq_id)
+        cache.reserve(len(cache.seq_at), max(c.start + len(c.token_ids) for c in chunks))
+        last = np.empty((len(chunks), self.vocab_size), dtype=np.float32)
+        full: dict[int, np.ndarray] = {}
+        decode = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1 and not c.all_logits and c.start > 0]
+        if decode:
+            decode.sort(key=lambda i: cache.slot_of[chunks[i].seq_id])
+            last[decode] = self._run([chunks[i] for i in decode])[:, -1]
+        decoded = set(decode)
+        for i, c in enumerate(chunks):
+            if i in decoded:
+                continue
+            logits = self._run([c])[0]
+            last[i] = logits[-1]
+            if c.all_logits:
+                full[c.seq_id] = logits.astype(np.float32, copy=True)
+        return StepOutput(last, full)
+
+    def _run(self, chunks: list[SeqChunk]) -> np.ndarray:
+        """One session call over chunks of equal width; returns logits [rows, width, vocab]."""
+        import onnxruntime as ort
+
+        lay, cache = self.layout, self.cache
+        rows, width = len(chunks), len(chunks[0].token_ids)
+        slots = [cache.slot_of[c.seq_id] for c in chunks]
+        starts = np.array([c.start for c in chunks], dtype=np.int64)
+        fresh = rows == 1 and chunks[0].start == 0
+        past_len = 0 if fresh else cache.cap_len  # a sequence's first chunk needs no past at all
+        lo = slots[0]
+        contiguous = slots == list(range(lo, lo + rows))
+        if fresh:
+            past_k = past_v = [np.zeros((1, lay.kv_heads, 0, lay.head_dim), dtype=lay.dtype)] * lay.layers
+        elif contiguous:  # a view of whole slots: contiguous memory, bound without a copy
+            past_k = [k[lo : lo + rows] for k in cache.k]
+            past_v = [v[lo : lo + rows] for v in cache.v]
+        else:
+            index = np.array(slots)
+            past_k = [k[index] for k in cache.k]
+            past_v = [v[index] for v in cache.v]
+        ids = np.array([list(c.token_ids) for c in chunks], dtype=np.int64)
+        mask = np.ones((rows, past_len + width), dtype=np.int64)
+        if past_len:
+            mask[:, :past_len] = np.arange(past_len)[None, :] < starts[:, None]
+        logits = np.empty((rows, width, self.vocab_size), dtype=np.float32 if lay.dtype == np.float32 else lay.dtype)
+        present_len = width if lay.present == "new" else past_len + width
+        present = [np.empty((rows, lay.kv_heads, present_len, lay.head_dim), dtype=lay.dtype) for _ in range(2 * lay.layers)]
+
+        feed = {"input_ids": ids, "attention_mask": mask, **dict(zip(lay.past_keys, past_k)), **dict(zip(lay.past_values, past_v))}
+        if lay.position_ids:
+            feed["position_ids"] = starts[:, None] + np.arange(width)[None, :]
+        io = self.session.io_binding()
+        for name, arr in feed.items():  # by pointer: every array stays referenced until the run ends
+            feed[name] = arr = np.ascontiguousarray(arr)
+            io.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+        for name, arr in zip(self._outputs, [logits, *present]):
+            io.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+        try:
+            self.session.run_with_iobinding(io)
+        except ort.capi.onnxruntime_pybind11_state.Fail as exc:  # type: ignore[attr-defined]
+            raise BackendError(f"onnxruntime failed on a step of {rows} row(s) x {width} token(s): {exc}") from exc
+        self.session_runs += 1
+        self._store(slots, starts, width, past_len, present)
+        return logits
+
+    def _store(self, slots: list[int], starts: np.ndarray, width: int, past_len: int, present: list[np.ndarray]) -> None:
+        """Write the new positions' KV into the buffers."""
+        lay = self.layout
+        if lay.present == "new":
+            new = present
+        elif lay.present == "append":
+            new = [p[:, :, past_len:] for p in present]
+        else:  # "row": row r's new positions sit at its own length
+            new = [np.stack([p[r, :, a : a + width] for r, a in enumerate(starts)]) for p in present]
+        buffers = [b for pair in zip(self.cache.k, self.cache.v) for b in pair]
+        if width == 1:
+            slot_index = np.array(slots)
+            for buf, n in zip(buffers, new):
+                buf[slot_index, :, starts] = n[:, :, 0]
+        else:
+            s, a = slots[0], int(starts[0])
+            for buf, n in zip(buffers, new):
+                buf[s, :, a : a + width] = n[0]
+
+    def release(self, seq_id: int) -> None:
+        self.cache.release(seq_id)
+
+    def fork(self, src_seq_id: int, dst_seq_id: int, length: int) -> bool:
+        self.cache.copy(src_seq_id, dst_seq_id, length)
+        return True
+
+    def close(self) -> None:
+        self.cache = SlotCache(self.layout, self.max_seq_len)
+        self.session = None
+
+    # -- loading --------------------------------------------------------------------------------
+
+    def probe(self) -> None:
+        """Find where the graph's ``present`` outputs put the new positions (see ``Layout.present``)."""
+        lay = self.layout
+        if lay.present_keys[0] not in {o.name for o in self.session.get_outputs()}:
+            return
+        feed = {"input_ids": np.array([[1]], dtype=np.int64), "attention_mask": np.array([[1, 0, 1]], dtype=np.int64)}
+        if lay.position_ids:
+            feed["position_ids"] = np.array([[1]], dtype=np.int64)
+        zeros = np.zeros((1, lay.kv_heads, 2, lay.head_dim), dtype=lay.dtype)
+        feed |= {n: zeros for n in (*lay.past_keys, *lay.past_values)}
+        key = self.session.run([lay.present_keys[0]], feed)[0]
+        if key.shape[2] == 1:
+            lay.present = "new"
+        elif np.abs(key[0, :, 2]).max() > 0 and not np.abs(key[0, :, 1]).max() > 0:
+            lay.present = "append"
+        elif np.abs(key[0, :, 1]).max() > 0:
+            lay.present = "row"
+        else:
+            raise BackendError(f"{self.folder}: could not tell where the graph's {lay.present_keys[0]} puts new positions")
