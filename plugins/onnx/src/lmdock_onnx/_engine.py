@@ -51,7 +51,8 @@ class Layout:
         return len(self.past_keys)
 
 
-def read_layout(session: Any, folder: Path) -> Layout:
+def read_layout(session: Any, folder: Path, hints: dict[str, int | None]) -> Layout:
+    """``hints``: kv_heads and head_dim from the configs, for graphs whose KV shapes leave them symbolic."""
     names = _genai_names(folder)
     inputs = {i.name: i for i in session.get_inputs()}
     outputs = {o.name: o for o in session.get_outputs()}
@@ -72,8 +73,11 @@ def read_layout(session: Any, folder: Path) -> Layout:
             + (f"; inputs lmdock does not feed: {unknown[:6]}" if unknown else "")
             + ". Export it with lmdock-onnx (point LLM at the transformers checkpoint) or rename its inputs."
         )
-    shape = inputs[past_k[0]].shape
+    shape = list(inputs[past_k[0]].shape)
     dtype = _NP.get(inputs[past_k[0]].type)
+    for axis, key in ((1, "kv_heads"), (3, "head_dim")):  # symbolic in some exports: from the configs
+        if not isinstance(shape[axis], int):
+            shape[axis] = hints.get(key)
     if dtype is None or not all(isinstance(d, int) for d in (shape[1], shape[3])):
         raise BackendError(f"{folder}: past KV input {past_k[0]} has type {inputs[past_k[0]].type} and shape {shape}; "
                            "lmdock-onnx needs float32/float16 KV with fixed head count and head size")

@@ -113,13 +113,13 @@ def load(mc: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]
         raise
     except Exception as exc:
         raise BackendError(f"onnxruntime could not load {model_file}: {exc}") from exc
-    layout = read_layout(session, folder)
+    config = _json(folder / "config.json")
+    genai = _json(folder / "genai_config.json").get("model", {})
+    layout = read_layout(session, folder, _kv_hints(config, genai.get("decoder", {})))
     meta = _json(folder / "lmdock_onnx.json")
     if meta.get("present"):
         layout.present = meta["present"]
     tokenizer = _tokenizer(mc, folder)
-    config = _json(folder / "config.json")
-    genai = _json(folder / "genai_config.json").get("model", {})
     limit = int(config.get("max_position_embeddings") or genai.get("context_length") or 2048)
     max_seq_len = min(build["max_seq_len"], limit) if build.get("max_seq_len") else limit
     vocab = layout.vocab_size or int(config.get("vocab_size") or genai.get("vocab_size") or len(tokenizer))
@@ -131,6 +131,14 @@ def load(mc: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]
     if not meta.get("present"):
         engine.probe()
     return engine
+
+
+def _kv_hints(config: dict[str, Any], decoder: dict[str, Any]) -> dict[str, int | None]:
+    heads = config.get("num_attention_heads") or decoder.get("num_attention_heads")
+    head_dim = config.get("head_dim") or decoder.get("head_size")
+    if not head_dim and heads and config.get("hidden_size"):
+        head_dim = config["hidden_size"] // heads
+    return {"kv_heads": config.get("num_key_value_heads") or decoder.get("num_key_value_heads") or heads, "head_dim": head_dim}
 
 
 def _model_filename(folder: Path) -> str:
