@@ -157,12 +157,17 @@ class SlotCache:
         return self.slot_of[seq_id]
 
     def reserve(self, slots: int, length: int) -> None:
-        """Grow (by doubling) so ``slots`` slots of ``length`` positions fit; the only reallocation."""
+        """Grow so ``slots`` slots of ``length`` positions fit; the only reallocation.
+
+        Slots double.  Length grows by a quarter, in multiples of 64: graphs that attend over the
+        whole capacity (lmdock's own exports) pay for its unused part at every step, so it stays
+        close to the longest sequence; each growth copies the cache once.
+        """
         new_slots, new_len = self.cap_slots, self.cap_len
         while new_slots < slots:
             new_slots = max(4, new_slots * 2)
-        while new_len < length:
-            new_len = min(self.max_len, max(64, new_len * 2))
+        if new_len < length:
+            new_len = min(self.max_len, -(-max(length, new_len * 5 // 4) // 64) * 64)
         if (new_slots, new_len) == (self.cap_slots, self.cap_len):
             return
         shape = (new_slots, self.layout.kv_heads, new_len, self.layout.head_dim)
