@@ -181,3 +181,18 @@ def test_two_hundred_cancelled_streams_leave_no_state(llm: Any) -> None:
     assert llm.generate(PROMPT, GREEDY)[0].outputs[0].token_ids == GREEDY_40  # the next request runs
     assert llm.engine.stats() == {"requests": 0, "waiting": 0, "running": 0}
     assert llm.engine.engine.cache.slot_of == {}  # every KV slot was released
+
+
+def test_detokenizer_fast_path_decodes_as_the_tokenizer(llm: Any) -> None:
+    """The core calls the Rust tokenizer under a transformers fast tokenizer directly; it must give
+    the tokenizer's own text, special tokens and byte-fallback pieces included."""
+    from lmdock._engine.detok import fast_decode
+
+    tok = llm.tokenizer
+    decode = fast_decode(tok)
+    assert "backend" in decode.__code__.co_freevars  # the fast path was taken for this tokenizer
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        ids = rng.integers(0, 512, size=int(rng.integers(1, 12))).tolist()
+        for skip in (False, True):
+            assert decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip)
