@@ -74,6 +74,21 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - start, result
 
 
+def spawn(script: str, side: str, model: Path | str, tokens: int) -> dict[str, Any]:
+    """Run ``script --worker SIDE --model MODEL --tokens N`` in a subprocess; return the JSON it
+    prints after ``RESULT `` (each side of a benchmark gets a process of its own)."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, script, "--worker", side, "--model", str(model), "--tokens", str(tokens)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        sys.exit(f"{side} on {model} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 def table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     line = "| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |"

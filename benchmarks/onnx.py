@@ -134,15 +134,6 @@ def _rate(run, batch: int) -> float:  # type: ignore[no-untyped-def]
     return n / (time.perf_counter() - start)
 
 
-def _spawn(side: str, model: Path | str, tokens: int) -> dict[str, float | str]:
-    cmd = [sys.executable, __file__, "--worker", side, "--model", str(model), "--tokens", str(tokens)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        sys.exit(f"{side} on {model} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=128)
@@ -165,10 +156,10 @@ def main() -> None:
     rows = []
     for model in models:
         built = genai_build(model)
-        ours = _spawn("lmdock", model, args.tokens)
-        ours_on_built = _spawn("lmdock", built, args.tokens)
-        genai = _spawn("genai", built, args.tokens)
-        plain = _spawn("ort", ours["folder"], args.tokens)
+        ours = common.spawn(__file__, "lmdock", model, args.tokens)
+        ours_on_built = common.spawn(__file__, "lmdock", built, args.tokens)
+        genai = common.spawn(__file__, "genai", built, args.tokens)
+        plain = common.spawn(__file__, "ort", ours["folder"], args.tokens)
         for batch in BATCHES:
             key = f"batch {batch}"
             o, b, g, p = (float(side[key]) for side in (ours, ours_on_built, genai, plain))

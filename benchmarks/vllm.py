@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -83,15 +82,6 @@ def _timed(run, batch: list[str]) -> float:  # type: ignore[no-untyped-def]
     return n / (time.perf_counter() - start)
 
 
-def _spawn(side: str, model: Path, tokens: int) -> dict[str, float]:
-    cmd = [sys.executable, __file__, "--worker", side, "--model", str(model), "--tokens", str(tokens)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        sys.exit(f"{side} on {model.name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=128)
@@ -113,8 +103,8 @@ def main() -> None:
     print(f"# {common.machine()}, {build}; {args.tokens} new tokens per request, greedy, EOS ignored, best of 3\n")
     rows = []
     for model in models:
-        direct = _spawn("vllm", model, args.tokens)
-        ours = _spawn("lmdock", model, args.tokens)
+        direct = common.spawn(__file__, "vllm", model, args.tokens)
+        ours = common.spawn(__file__, "lmdock", model, args.tokens)
         for workload in ("batch 1", "32 requests"):
             rows.append((model.name, workload, f"{ours[workload]:,.0f}", f"{direct[workload]:,.0f}", f"{ours[workload] / direct[workload]:.2f}x"))
         rows.append((model.name, "engine start (s)", f"{ours['start_s']:.1f}", f"{direct['start_s']:.1f}", ""))

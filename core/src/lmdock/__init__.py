@@ -61,6 +61,7 @@ _LAZY = {
     "SampleRow": "lmdock._engine.sampler",
     "Sampler": "lmdock._engine.sampler",
     "Scheduler": "lmdock._engine.scheduler",
+    "SlotTable": "lmdock._engine.slots",
 }
 
 
@@ -106,6 +107,7 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SeqChunk",
+    "SlotTable",
     "StepEngine",
     "StepOutput",
     "StructuredOutput",

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from lmdock import BackendError, ModelConfig, SeqChunk, StepOutput, read_model_json
+from lmdock import BackendError, ModelConfig, SeqChunk, SlotTable, StepOutput, read_model_json
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ATTENTION = "lmdock_sdpa"
@@ -44,21 +44,14 @@ def _register_attention() -> None:
     AttentionInterface.register(ATTENTION, _sdpa_gqa)
 
 
-class SlotKVCache:
+class SlotKVCache(SlotTable):
     def __init__(self, device: torch.device, dtype: torch.dtype, max_len: int) -> None:
+        super().__init__()
         self.device, self.dtype, self.max_len = device, dtype, max_len
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
-        self.slot_of: dict[int, int] = {}
-        self.seq_at: list[int] = []
         self.cap_slots = 0
         self.cap_len = 0
-
-    def slot(self, seq_id: int) -> int:
-        if seq_id not in self.slot_of:
-            self.slot_of[seq_id] = len(self.seq_at)
-            self.seq_at.append(seq_id)
-        return self.slot_of[seq_id]
 
     def reserve(self, slots: int, length: int) -> None:
         """Grow (by doubling) so ``slots`` slots of ``length`` positions fit."""
@@ -87,22 +80,16 @@ class SlotKVCache:
         return self.k[idx], self.v[idx]
 
     def release(self, seq_id: int) -> None:
-        slot = self.slot_of.pop(seq_id, None)
-        if slot is None:
-            return
-        last = len(self.seq_at) - 1
-        if slot != last:  # keep slots compact: move the last sequence into the hole
+        move = super().release(seq_id)
+        if move is not None:  # keep slots compact: the last sequence's KV moves into the hole
+            hole, last = move
             for k, v in zip(self.k, self.v):
-                k[slot].copy_(k[last])
-                v[slot].copy_(v[last])
-            moved = self.seq_at[last]
-            self.seq_at[slot] = moved
-            self.slot_of[moved] = slot
-        self.seq_at.pop()
+                k[hole].copy_(k[last])
+                v[hole].copy_(v[last])
 
     def copy(self, src: int, dst: int, length: int) -> None:
         s, d = self.slot_of[src], self.slot(dst)
-        self.reserve(len(self.seq_at), length)
+        self.reserve(len(self), length)
         for k, v in zip(self.k, self.v):
             k[d, :, :length] = k[s, :, :length]
             v[d, :, :length] = v[s, :, :length]
@@ -192,7 +179,7 @@ class HFStepEngine:
         cache = self.cache
         for c in chunks:
             cache.slot(c.seq_id)
-        cache.reserve(len(cache.seq_at), max(c.start + len(c.token_ids) for c in chunks))
+        cache.reserve(len(cache), max(c.start + len(c.token_ids) for c in chunks))
         last = np.empty((len(chunks), self.vocab_size), dtype=np.float32)
         full: dict[int, np.ndarray] = {}
         decode = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1 and not c.all_logits]

@@ -16,14 +16,13 @@ each row's own length as ONNX Runtime's GroupQueryAttention does) is found by on
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from lmdock import BackendError, SeqChunk, StepOutput, UnsupportedError
+from lmdock import BackendError, SeqChunk, SlotTable, StepOutput, UnsupportedError
 
 _NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(bfloat16)": None}
 _OPT_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
@@ -51,9 +50,10 @@ class Layout:
         return len(self.past_keys)
 
 
-def read_layout(session: Any, folder: Path, hints: dict[str, int | None]) -> Layout:
-    """``hints``: kv_heads and head_dim from the configs, for graphs whose KV shapes leave them symbolic."""
-    names = _genai_names(folder)
+def read_layout(session: Any, folder: Path, genai_decoder: dict[str, Any], hints: dict[str, int | None]) -> Layout:
+    """``genai_decoder``: genai_config.json's ``model.decoder`` ({} without one); ``hints``: kv_heads
+    and head_dim from the configs, for graphs whose KV shapes leave them symbolic."""
+    names = _names(genai_decoder)
     inputs = {i.name: i for i in session.get_inputs()}
     outputs = {o.name: o for o in session.get_outputs()}
     past_k, past_v, pres_k, pres_v = [], [], [], []
@@ -86,19 +86,15 @@ def read_layout(session: Any, folder: Path, hints: dict[str, int | None]) -> Lay
                   vocab if isinstance(vocab, int) else None)
 
 
-def _genai_names(folder: Path) -> dict[str, str]:
+def _names(genai_decoder: dict[str, Any]) -> dict[str, str]:
     """Input/output name patterns: lmdock's (and optimum's), or those in onnxruntime-genai's config."""
-    names = {"past_key": "past_key_values.%d.key", "past_value": "past_key_values.%d.value",
-             "present_key": "present.%d.key", "present_value": "present.%d.value"}
-    genai = folder / "genai_config.json"
-    if genai.is_file():
-        decoder = json.loads(genai.read_text(encoding="utf-8"))["model"]["decoder"]
-        ins, outs = decoder.get("inputs", {}), decoder.get("outputs", {})
-        names["past_key"] = ins.get("past_key_names", names["past_key"])
-        names["past_value"] = ins.get("past_value_names", names["past_value"])
-        names["present_key"] = outs.get("present_key_names", names["present_key"])
-        names["present_value"] = outs.get("present_value_names", names["present_value"])
-    return names
+    ins, outs = genai_decoder.get("inputs", {}), genai_decoder.get("outputs", {})
+    return {
+        "past_key": ins.get("past_key_names", "past_key_values.%d.key"),
+        "past_value": ins.get("past_value_names", "past_key_values.%d.value"),
+        "present_key": outs.get("present_key_names", "present.%d.key"),
+        "present_value": outs.get("present_value_names", "present.%d.value"),
+    }
 
 
 def session_options(options: Any) -> Any:
@@ -136,25 +132,18 @@ def providers(device: str, option: tuple[str, ...]) -> list[str]:
     return wanted
 
 
-class SlotCache:
+class SlotCache(SlotTable):
     """Per-layer K and V buffers ``[slots, kv_heads, capacity, head_dim]``; slots kept compact."""
 
     def __init__(self, layout: Layout, max_len: int) -> None:
+        super().__init__()
         self.layout = layout
         self.max_len = max_len
         self.k: list[np.ndarray] = []
         self.v: list[np.ndarray] = []
-        self.slot_of: dict[int, int] = {}
-        self.seq_at: list[int] = []
         self.cap_slots = 0
         self.cap_len = 0
         self.generation = 0  # bumped whenever the buffers are reallocated
-
-    def slot(self, seq_id: int) -> int:
-        if seq_id not in self.slot_of:
-            self.slot_of[seq_id] = len(self.seq_at)
-            self.seq_at.append(seq_id)
-        return self.slot_of[seq_id]
 
     def reserve(self, slots: int, length: int) -> None:
         """Grow so ``slots`` slots of ``length`` positions fit; the only reallocation.
@@ -188,21 +177,15 @@ class SlotCache:
         return [b for pair in zip(self.k, self.v) for b in pair]
 
     def release(self, seq_id: int) -> None:
-        slot = self.slot_of.pop(seq_id, None)
-        if slot is None:
-            return
-        last = len(self.seq_at) - 1
-        if slot != last:  # keep slots compact: move the last sequence into the hole
-            for buf in (*self.k, *self.v):
-                buf[slot] = buf[last]
-            moved = self.seq_at[last]
-            self.seq_at[slot] = moved
-            self.slot_of[moved] = slot
-        self.seq_at.pop()
+        move = super().release(seq_id)
+        if move is not None:  # keep slots compact: the last sequence's KV moves into the hole
+            hole, last = move
+            for buf in self.buffers():
+                buf[hole] = buf[last]
 
     def copy(self, src: int, dst: int, length: int) -> None:
         s, d = self.slot_of[src], self.slot(dst)
-        self.reserve(len(self.seq_at), length)
+        self.reserve(len(self), length)
         for buf in (*self.k, *self.v):
             buf[d, :, :length] = buf[s, :, :length]
 
@@ -235,7 +218,7 @@ class OnnxStepEngine:
         cache = self.cache
         for c in chunks:
             cache.slot(c.seq_id)
-        cache.reserve(len(cache.seq_at), max(c.start + len(c.token_ids) for c in chunks))
+        cache.reserve(len(cache), max(c.start + len(c.token_ids) for c in chunks))
         last = np.empty((len(chunks), self.vocab_size), dtype=np.float32)
         full: dict[int, np.ndarray] = {}
         decode = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1 and not c.all_logits and c.start > 0]
@@ -249,13 +232,11 @@ class OnnxStepEngine:
             logits = self._run([c])[0]
             last[i] = logits[-1]
             if c.all_logits:
-                full[c.seq_id] = logits.astype(np.float32, copy=True)
+                full[c.seq_id] = logits.astype(np.float32, copy=False)  # a fresh array per run
         return StepOutput(last, full)
 
     def _run(self, chunks: list[SeqChunk]) -> np.ndarray:
         """One session call over chunks of equal width; returns logits [rows, width, vocab]."""
-        import onnxruntime as ort
-
         lay, cache = self.layout, self.cache
         rows, width = len(chunks), len(chunks[0].token_ids)
         slots = [cache.slot_of[c.seq_id] for c in chunks]
@@ -297,11 +278,11 @@ class OnnxStepEngine:
             feed["position_ids"] = starts[:, None] + np.arange(width)[None, :]
         for name, arr in feed.items():  # by pointer: each array stays referenced until the run ends
             io.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
-        logits = np.empty((rows, width, self.vocab_size), dtype=np.float32 if lay.dtype == np.float32 else lay.dtype)
+        logits = np.empty((rows, width, self.vocab_size), dtype=lay.dtype)
         io.bind_output("logits", "cpu", 0, logits.dtype, list(logits.shape), logits.ctypes.data)
         try:
             self.session.run_with_iobinding(io)
-        except ort.capi.onnxruntime_pybind11_state.Fail as exc:  # type: ignore[attr-defined]
+        except Exception as exc:  # onnxruntime's own error types: reported as the backend's
             raise BackendError(f"onnxruntime failed on a step of {rows} row(s) x {width} token(s): {exc}") from exc
         self.session_runs += 1
         if not (shared and contiguous):

@@ -50,7 +50,7 @@ def export(model: str, out: Path, *, dtype: str, opset: int, trust_remote_code: 
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
     _say(f"  loaded: {layers} layers, {kv_heads} KV heads of {head_dim}; tracing")
 
-    wrapper = _KvWrapper(lm, layers)
+    wrapper = _kv_wrapper(lm, layers)
     past_names = [f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
     present_names = [f"present.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
     batch, past, seq = 2, 3, 4  # example shapes; every axis below is dynamic
@@ -83,30 +83,28 @@ def export(model: str, out: Path, *, dtype: str, opset: int, trust_remote_code: 
     return {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "vocab_size": int(text.vocab_size), "dtype": dtype}
 
 
-class _KvWrapper:  # a torch.nn.Module, made so at first use (torch is imported lazily)
-    def __new__(cls, lm: Any, layers: int) -> Any:
-        import torch
-        from transformers import DynamicCache
+def _kv_wrapper(lm: Any, layers: int) -> Any:
+    """A module around a transformers causal LM: flat KV tensors in, the new positions' KV out."""
+    import torch
+    from transformers import DynamicCache
 
-        class KvWrapper(torch.nn.Module):
-            """Flat KV tensors in and the new positions' KV out, around a transformers causal LM."""
+    class KvWrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = lm
 
-            def __init__(self) -> None:
-                super().__init__()
-                self.lm = lm
+        def forward(self, input_ids: Any, attention_mask: Any, position_ids: Any, *past: Any) -> tuple[Any, ...]:
+            cache = DynamicCache()
+            for i in range(layers):
+                cache.update(past[2 * i], past[2 * i + 1], i)
+            out = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache, use_cache=True)
+            seq = input_ids.shape[1]
+            present: list[Any] = []
+            for layer in out.past_key_values.layers[:layers]:
+                present += [layer.keys[:, :, -seq:], layer.values[:, :, -seq:]]
+            return (out.logits, *present)
 
-            def forward(self, input_ids: Any, attention_mask: Any, position_ids: Any, *past: Any) -> tuple[Any, ...]:
-                cache = DynamicCache()
-                for i in range(layers):
-                    cache.update(past[2 * i], past[2 * i + 1], i)
-                out = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache, use_cache=True)
-                seq = input_ids.shape[1]
-                present: list[Any] = []
-                for layer in out.past_key_values.layers[:layers]:
-                    present += [layer.keys[:, :, -seq:], layer.values[:, :, -seq:]]
-                return (out.logits, *present)
-
-        return KvWrapper()
+    return KvWrapper()
 
 
 def quantize(folder: Path, algo: str, group_size: int | None) -> None:
@@ -122,12 +120,10 @@ def quantize(folder: Path, algo: str, group_size: int | None) -> None:
         # int8 weights, activations quantized per batch at run time (MatMulInteger / DynamicQuantizeMatMul)
         quantize_dynamic(src, tmp, weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"])
     else:  # int8_weight_only / int4_weight_only: MatMulNBits, weights in blocks, float activations
-        from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
         bits = 8 if algo == "int8_weight_only" else 4
-        block = group_size or 32
-        cfg = DefaultWeightOnlyQuantConfig(block_size=block, is_symmetric=True, bits=bits)
-        quantizer = MatMulNBitsQuantizer(onnx.load(str(src)), bits=bits, block_size=block, is_symmetric=True, algo_config=cfg)
+        quantizer = MatMulNBitsQuantizer(onnx.load(str(src)), bits=bits, block_size=group_size or 32, is_symmetric=True)
         quantizer.process()
         quantizer.model.save_model_to_file(str(tmp), use_external_data_format=False)
     tmp.replace(src)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import time
@@ -64,11 +63,8 @@ def _local(mc: ModelConfig) -> Path:
 
 
 def _export_to(out: Path, mc: ModelConfig, folder: Path, options: Any, dtype: str, precision: str, quant: dict[str, Any]) -> None:
-    try:
-        from lmdock_onnx import _export
-    except ImportError:
-        raise UnsupportedError("exporting needs torch, transformers and onnx: pip install torch==<your build> "
-                               "'lmdock-onnx[export]'; or load a folder exported already") from None
+    from lmdock_onnx import _export  # its heavy imports are inside its functions
+
     missing = [m for m in ("torch", "transformers", "onnx") if _importable(m) is False]
     if missing:
         raise UnsupportedError(f"exporting {folder} to ONNX needs {', '.join(missing)}: pip install torch==<your build> "
@@ -105,7 +101,10 @@ def load(mc: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]
     from lmdock_onnx._engine import OnnxStepEngine, providers, read_layout, session_options
 
     folder = resolve(mc, options, quantization, build)
-    model_file = folder / _model_filename(folder)
+    config = read_model_json(str(folder), "config.json")
+    genai = read_model_json(str(folder), "genai_config.json").get("model", {})
+    decoder = genai.get("decoder", {})
+    model_file = folder / decoder.get("filename", "model.onnx")
     try:
         session = ort.InferenceSession(str(model_file), sess_options=session_options(options),
                                        providers=providers(build.get("device", "auto"), options.providers))
@@ -113,10 +112,8 @@ def load(mc: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]
         raise
     except Exception as exc:
         raise BackendError(f"onnxruntime could not load {model_file}: {exc}") from exc
-    config = _json(folder / "config.json")
-    genai = _json(folder / "genai_config.json").get("model", {})
-    layout = read_layout(session, folder, _kv_hints(config, genai.get("decoder", {})))
-    meta = _json(folder / "lmdock_onnx.json")
+    layout = read_layout(session, folder, decoder, _kv_hints(config, decoder))
+    meta = read_model_json(str(folder), "lmdock_onnx.json")
     if meta.get("present"):
         layout.present = meta["present"]
     tokenizer = _tokenizer(mc, folder)
@@ -141,11 +138,6 @@ def _kv_hints(config: dict[str, Any], decoder: dict[str, Any]) -> dict[str, int 
     return {"kv_heads": config.get("num_key_value_heads") or decoder.get("num_key_value_heads") or heads, "head_dim": head_dim}
 
 
-def _model_filename(folder: Path) -> str:
-    genai = _json(folder / "genai_config.json")
-    return str(genai.get("model", {}).get("decoder", {}).get("filename", "model.onnx"))
-
-
 def _tokenizer(mc: ModelConfig, folder: Path) -> Any:
     from transformers import AutoTokenizer
 
@@ -168,10 +160,3 @@ def _eos(generation_config: dict[str, Any], config: dict[str, Any], genai: dict[
             break
     return tuple(dict.fromkeys(ids))
 
-
-def _json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
