@@ -11,7 +11,7 @@ from typing import Any
 
 import lmdock
 import numpy as np
-from lmdock import BackendSpec, SeqChunk, StepOutput
+from lmdock.backend import BackendSpec, SeqChunk, StepOutput
 
 SPECIALS = ["<unk>", "<s>", "</s>"]
 PIECES = SPECIALS + list("abcdefghijklmnopqrstuvwxyz .,!") + ["ab", "cde", "xyz", "é"]

@@ -118,7 +118,7 @@ def test_schema_validates_the_repository_example() -> None:
 
 
 def test_read_model_json(tmp_path: Path) -> None:
-    from lmdock import read_model_json
+    from lmdock.backend import read_model_json
 
     (tmp_path / "generation_config.json").write_text('{"temperature": 0.6}')
     (tmp_path / "broken.json").write_text("{nope")

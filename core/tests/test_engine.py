@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fakes import PIECES, FakePlugin, FakeStepEngine, FakeTokenizer
-from lmdock import LLM, FcfsScheduler, QueueFullError, RequestError, SamplingParams, SchedulerConfig
+from lmdock import LLM, QueueFullError, RequestError, SamplingParams, SchedulerConfig
+from lmdock.backend import FcfsScheduler
 from lmdock import hookimpl as lmdock_hookimpl
 from lmdock._engine.detok import IncrementalDetokenizer
 
@@ -317,7 +318,8 @@ def test_beam_search_returns_ranked_hypotheses_and_frees_state(fake: FakePlugin)
 
 
 def test_plugin_logits_processors_and_sampler_override(fake: FakePlugin) -> None:
-    from lmdock import ReferenceSampler, _plugins
+    from lmdock import _plugins
+    from lmdock.backend import ReferenceSampler
 
     banned = tok("a")
 
@@ -379,7 +381,7 @@ def test_a_sink_whose_listener_is_gone_does_not_stop_the_engine(fake: FakePlugin
 
             fail = put
 
-        from lmdock import EngineRequest
+        from lmdock.backend import EngineRequest
 
         llm.engine.submit(EngineRequest("broken", None, [1, 3], GREEDY), Broken())
         assert llm.generate("ab", GREEDY)[0].finished  # the engine still serves

@@ -37,3 +37,13 @@ def test_public_names_are_sorted_and_resolvable() -> None:
     assert lmdock.__all__ == sorted(lmdock.__all__)
     for name in lmdock.__all__:
         assert getattr(lmdock, name) is not None, name
+
+
+def test_backend_namespace_is_sorted_resolvable_and_light() -> None:
+    import lmdock.backend
+
+    assert lmdock.backend.__all__ == sorted(lmdock.backend.__all__)
+    user = set(__import__("lmdock").__all__)
+    # authors' names live in lmdock.backend; lmdock keeps what users call
+    assert {"BackendSpec", "StepEngine", "SeqChunk", "SlotTable", "Sampler"}.isdisjoint(user)
+    assert _heavy_after("import lmdock.backend as b; b.BackendSpec; b.StepEngine") == []

@@ -11,7 +11,8 @@ from pathlib import Path
 import lmdock
 import pytest
 from fakes import FakePlugin
-from lmdock import LLM, BackendError, BackendSpec, PluginError, _plugins
+from lmdock import LLM, BackendError, PluginError, _plugins
+from lmdock.backend import BackendSpec
 
 
 def make_dist(root: Path, name: str, module: str, source: str) -> None:
@@ -28,14 +29,14 @@ GOOD = '''
 import lmdock
 @lmdock.hookimpl
 def lmdock_register_backends(register):
-    register(lmdock.BackendSpec(name="good", kind="step", plugin_api="1.0", supports=frozenset({"generate"})))
+    register(lmdock.backend.BackendSpec(name="good", kind="step", plugin_api="1.0", supports=frozenset({"generate"})))
 '''
 EXPLODES = "raise RuntimeError('boom: missing libfoo.so')\n"
 OLD_API = '''
 import lmdock
 @lmdock.hookimpl
 def lmdock_register_backends(register):
-    register(lmdock.BackendSpec(name="oldapi", kind="step", plugin_api="0.3"))
+    register(lmdock.backend.BackendSpec(name="oldapi", kind="step", plugin_api="0.3"))
 '''
 
 

@@ -6,7 +6,8 @@ import math
 
 import numpy as np
 import pytest
-from lmdock import ReferenceSampler, SampleRow, SamplingParams
+from lmdock import SamplingParams
+from lmdock.backend import ReferenceSampler, SampleRow
 from lmdock._engine.sampler import apply_penalties, mask_min_tokens
 
 LOGITS = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], dtype=np.float32)

@@ -27,7 +27,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "requires(capability): the test needs this backend capability (lmdock.CAPABILITIES)")
+    config.addinivalue_line("markers", "requires(capability): the test needs this backend capability (lmdock.backend.CAPABILITIES)")
     if config.getoption("--lmdock-backend"):
         _options(config)  # a mistake in the options stops the run before any test
 

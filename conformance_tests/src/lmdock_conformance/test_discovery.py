@@ -19,7 +19,7 @@ def test_backend_is_registered_through_an_entry_point(lmdock_setup: Any) -> None
 
 
 def test_every_capability_is_declared_with_a_reason_when_lacking(lmdock_setup: Any) -> None:
-    from lmdock import CAPABILITIES
+    from lmdock.backend import CAPABILITIES
 
     spec = lmdock_setup.spec
     unknown = set(spec.supports) - set(CAPABILITIES)

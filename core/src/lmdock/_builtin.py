@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import pluggy
-
-hookimpl = pluggy.HookimplMarker("lmdock")
+from lmdock._hooks import hookimpl
 
 
 @hookimpl(trylast=True)

@@ -4,11 +4,35 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import queue
 from collections.abc import Callable
 from typing import Any
 
 from lmdock._outputs import RequestOutput
+
+log = logging.getLogger("lmdock")
+
+
+def safe_put(sink: Any, output: RequestOutput) -> bool:
+    """Deliver ``output`` to ``sink``; a sink whose listener is gone (a closed event loop, a settled
+    future, a raising callback) must never stop the engine that feeds it.  False if the sink raised."""
+    try:
+        sink.put(output)
+        return True
+    except Exception:  # noqa: BLE001 - the listener's failure is the listener's
+        log.debug("a sink refused an output", exc_info=True)
+        return False
+
+
+def safe_fail(sink: Any, error: BaseException) -> bool:
+    """Fail ``sink`` with ``error``, under the same rule as :func:`safe_put`."""
+    try:
+        sink.fail(error)
+        return True
+    except Exception:  # noqa: BLE001
+        log.debug("a sink refused an error", exc_info=True)
+        return False
 
 
 class RequestFuture(concurrent.futures.Future):  # type: ignore[type-arg]
@@ -22,14 +46,20 @@ class RequestFuture(concurrent.futures.Future):  # type: ignore[type-arg]
         self.request_id = request_id
         self._abort = abort
 
-    # OutputSink
+    # OutputSink.  A cancel (from another thread) can land between a done() check and the set, so
+    # the set itself is the check: an InvalidStateError means the future was already settled.
     def put(self, output: RequestOutput) -> None:
-        if output.finished and not self.done():
-            self.set_result(output)
+        if output.finished:
+            try:
+                self.set_result(output)
+            except concurrent.futures.InvalidStateError:
+                pass
 
     def fail(self, error: BaseException) -> None:
-        if not self.done():
+        try:
             self.set_exception(error)
+        except concurrent.futures.InvalidStateError:
+            pass
 
     def cancel(self) -> bool:
         cancelled = super().cancel()

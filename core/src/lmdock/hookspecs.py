@@ -14,15 +14,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import pluggy
-
 if TYPE_CHECKING:
     from lmdock._contract import BackendSpec, RequestEngine, StepEngine
     from lmdock._engine.sampler import LogitsProcessor, Sampler
     from lmdock._engine.scheduler import Scheduler
     from lmdock._params import ModelConfig, QuantConfig, SamplingParams, SchedulerConfig
 
-hookspec = pluggy.HookspecMarker("lmdock")
+from lmdock._hooks import hookspec  # noqa: E402
 
 
 # -------------------------------------------------------------------------------------------------
@@ -39,7 +37,7 @@ def lmdock_register_backends(register: Callable[[BackendSpec], None]) -> None:
     cheap: import no engine, no torch, no numpy; probe availability with
     ``importlib.util.find_spec``.  An exception here marks the plugin broken; the others carry on.
 
-    :param register: takes a :class:`lmdock.BackendSpec`; raises ``PluginError`` for a spec whose
+    :param register: takes a :class:`lmdock.backend.BackendSpec`; raises ``PluginError`` for a spec whose
         ``plugin_api`` major differs from the core's.
     :return: nothing.
     """
@@ -110,8 +108,8 @@ def lmdock_load_engine(
     :param options: the backend's own options, validated into its ``BackendSpec.options`` type.
     :param quantization: what ``lmdock_translate_quantization`` returned, or None.
     :param build: what ``lmdock_translate_build_config`` returned, or ``{}``.
-    :return: a :class:`lmdock.StepEngine` (if the spec's ``kind`` is ``"step"``) or a
-        :class:`lmdock.RequestEngine` (``"request"``); None to decline the model (the next fallback is
+    :return: a :class:`lmdock.backend.StepEngine` (if the spec's ``kind`` is ``"step"``) or a
+        :class:`lmdock.backend.RequestEngine` (``"request"``); None to decline the model (the next fallback is
         tried).  Raise :class:`lmdock.BackendError` for a model it recognises but cannot load.
     """
 
@@ -134,7 +132,7 @@ def lmdock_make_scheduler(
         ``max_num_batched_tokens``, ``max_waiting``).
     :param max_seq_len: the engine's context length.
     :param kv_capacity_tokens: the engine's KV capacity, or None when only ``max_num_seqs`` bounds it.
-    :return: an object with the :class:`lmdock.Scheduler` interface, or None to decline.
+    :return: an object with the :class:`lmdock.backend.Scheduler` interface, or None to decline.
     """
 
 
@@ -165,5 +163,5 @@ def lmdock_make_sampler(backend: str, model_config: ModelConfig) -> Sampler | No
     sampler (NumPy) answers for every backend and defines the semantics; a backend may answer first
     with a native one (torch on GPU) that keeps them.
 
-    :return: an object with the :class:`lmdock.Sampler` interface, or None to decline.
+    :return: an object with the :class:`lmdock.backend.Sampler` interface, or None to decline.
     """

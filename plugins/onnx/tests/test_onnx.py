@@ -150,7 +150,7 @@ def test_rows_at_different_positions_decode_together(stories: Path) -> None:
 
 def test_kv_buffers_are_written_in_place(stories: Path) -> None:
     """Decode steps write into the preallocated buffers; they are reallocated only to grow."""
-    from lmdock import SeqChunk
+    from lmdock.backend import SeqChunk
 
     with LLM(str(stories), backend="onnx") as llm:
         engine = llm.engine.engine  # driven directly: lmdock's loop is idle without requests

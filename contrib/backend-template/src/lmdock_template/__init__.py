@@ -15,7 +15,7 @@ def _available() -> str | None:
     return f"{', '.join(missing)} not installed; pip install lmdock-template" if missing else None
 
 
-SPEC = lmdock.BackendSpec(
+SPEC = lmdock.backend.BackendSpec(
     name="template",
     kind="step",
     plugin_api="1.0",

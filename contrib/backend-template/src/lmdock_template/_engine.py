@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from lmdock import BackendError, ModelConfig, SeqChunk, StepOutput, read_model_json
+from lmdock import BackendError, ModelConfig
+from lmdock.backend import SeqChunk, StepOutput, read_model_json
 
 
 class Tokenizer:

@@ -117,7 +117,7 @@ class _QuerySeq:
 
 
 class StepRunner:
-    """A :class:`lmdock.RequestEngine` over a :class:`lmdock.StepEngine`."""
+    """A :class:`lmdock.backend.RequestEngine` over a :class:`lmdock.backend.StepEngine`."""
 
     def __init__(
         self,

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import lmdock
-from lmdock import BackendSpec, ModelConfig
+from lmdock import ModelConfig
+from lmdock.backend import BackendSpec
 
 __version__ = "0.1.0"
 

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from lmdock import BackendError, ModelConfig, SeqChunk, SlotTable, StepOutput, read_model_json
+from lmdock import BackendError, ModelConfig
+from lmdock.backend import SeqChunk, SlotTable, StepOutput, read_model_json
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ATTENTION = "lmdock_sdpa"

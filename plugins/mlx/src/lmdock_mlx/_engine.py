@@ -16,7 +16,8 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from lmdock import BackendError, ModelConfig, SeqChunk, StepOutput, UnsupportedError, read_model_json
+from lmdock import BackendError, ModelConfig, UnsupportedError
+from lmdock.backend import SeqChunk, StepOutput, read_model_json
 
 
 def rope_overrides(config: dict[str, Any]) -> dict[str, Any]:

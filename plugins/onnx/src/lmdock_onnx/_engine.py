@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from lmdock import BackendError, SeqChunk, SlotTable, StepOutput, UnsupportedError
+from lmdock import BackendError, UnsupportedError
+from lmdock.backend import SeqChunk, SlotTable, StepOutput
 
 _NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(bfloat16)": None}
 _OPT_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}

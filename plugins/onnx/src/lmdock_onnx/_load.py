@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lmdock import BackendError, ModelConfig, UnsupportedError, read_model_json
+from lmdock import BackendError, ModelConfig, UnsupportedError
+from lmdock.backend import read_model_json
 
 from lmdock_onnx import __version__
 from lmdock_onnx._cache import cache_root, export_dir, export_key

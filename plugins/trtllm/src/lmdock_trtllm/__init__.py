@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import lmdock
-from lmdock import BackendSpec, ModelConfig
+from lmdock import ModelConfig
+from lmdock.backend import BackendSpec
 
 __version__ = "0.1.0"
 
@@ -78,9 +79,7 @@ def lmdock_register_backends(register: Any) -> None:
 
 
 def _options(mc: ModelConfig) -> TrtllmOptions:
-    from lmdock._schema import build
-
-    return build(TrtllmOptions, mc.backend_options("trtllm"), source=mc.source, prefix=f"models.{mc.name}.backends.trtllm")
+    return lmdock.backend.build_options(TrtllmOptions, mc.backend_options("trtllm"), source=mc.source, prefix=f"models.{mc.name}.backends.trtllm")
 
 
 @lmdock.hookimpl

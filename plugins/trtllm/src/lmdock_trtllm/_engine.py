@@ -12,8 +12,9 @@ import asyncio
 import threading
 from typing import Any
 
-from lmdock import BackendError, EngineRequest, ModelConfig, OutputSink, RequestError, UnsupportedError, read_model_json
-from lmdock._outputs import CompletionOutput, Logprob, RequestOutput
+from lmdock import BackendError, ModelConfig, RequestError, UnsupportedError
+from lmdock.backend import EngineRequest, OutputSink, read_model_json
+from lmdock.backend import CompletionOutput, Logprob, RequestOutput
 
 from lmdock_trtllm._refs import materialize
 from lmdock_trtllm._translate import Api, sampling_kwargs

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import lmdock
-from lmdock import BackendSpec, ModelConfig
+from lmdock import ModelConfig
+from lmdock.backend import BackendSpec
 
 __version__ = "0.1.0"
 

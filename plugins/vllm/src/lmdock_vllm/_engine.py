@@ -20,17 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmdock import (
-    BackendError,
-    EngineClosedError,
-    EngineRequest,
-    ModelConfig,
-    OutputSink,
-    RequestError,
-    UnsupportedError,
-    read_model_json,
-)
-from lmdock._outputs import CompletionOutput, Logprob, RequestOutput
+from lmdock import BackendError, EngineClosedError, ModelConfig, RequestError, UnsupportedError
+from lmdock.backend import EngineRequest, OutputSink, read_model_json
+from lmdock.backend import CompletionOutput, Logprob, RequestOutput
 
 from lmdock_vllm._translate import sampling_kwargs
 

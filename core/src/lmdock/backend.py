@@ -1,0 +1,90 @@
+"""What backend authors implement against: the engine contracts, the declaration, and the core's parts
+a backend may reuse (slot bookkeeping, the sampler and scheduler interfaces).
+
+Users import from ``lmdock``; plugins import from here (and ``lmdock`` for the portable configs and
+errors they share with users).  Importing this module, like ``lmdock``, imports no engine and no numpy:
+the names that live beside NumPy code resolve on first access.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lmdock._contract import (
+    CAPABILITIES,
+    PLUGIN_API_VERSION,
+    BackendSpec,
+    EngineRequest,
+    OutputSink,
+    RequestEngine,
+    SeqChunk,
+    StepEngine,
+    StepOutput,
+)
+from lmdock._errors import BackendError, EngineClosedError, RequestError, UnsupportedError
+from lmdock._files import read_model_json
+from lmdock._hooks import hookimpl
+from lmdock._outputs import CompletionOutput, Logprob, RequestOutput
+from lmdock._params import ModelConfig
+from lmdock._sinks import safe_fail, safe_put
+from lmdock._tokenizer import Tokenizer
+
+_LAZY = {
+    "FcfsScheduler": "lmdock._engine.scheduler",
+    "ReferenceSampler": "lmdock._engine.sampler",
+    "Sample": "lmdock._engine.sampler",
+    "SampleRow": "lmdock._engine.sampler",
+    "Sampler": "lmdock._engine.sampler",
+    "Scheduler": "lmdock._engine.scheduler",
+    "SlotTable": "lmdock._engine.slots",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lmdock.backend' has no attribute {name!r}")
+
+
+def build_options(cls: type, data: dict[str, Any], *, source: str | None = None, prefix: str = "") -> Any:
+    """Build a backend's options dataclass from a config table, with lmdock's validation and errors
+    (a ``ConfigError`` naming the file and key path)."""
+    from lmdock._schema import build
+
+    return build(cls, data, source=source, prefix=prefix)
+
+
+__all__ = [
+    "BackendError",
+    "BackendSpec",
+    "CAPABILITIES",
+    "CompletionOutput",
+    "EngineClosedError",
+    "EngineRequest",
+    "FcfsScheduler",
+    "Logprob",
+    "ModelConfig",
+    "OutputSink",
+    "PLUGIN_API_VERSION",
+    "ReferenceSampler",
+    "RequestEngine",
+    "RequestError",
+    "RequestOutput",
+    "Sample",
+    "SampleRow",
+    "Sampler",
+    "Scheduler",
+    "SeqChunk",
+    "SlotTable",
+    "StepEngine",
+    "StepOutput",
+    "Tokenizer",
+    "UnsupportedError",
+    "build_options",
+    "hookimpl",
+    "read_model_json",
+    "safe_fail",
+    "safe_put",
+]
