@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from fakes import PIECES, FakePlugin, FakeStepEngine, FakeTokenizer
 from lmdock import LLM, QueueFullError, RequestError, SamplingParams, SchedulerConfig
-from lmdock.backend import FcfsScheduler
 from lmdock import hookimpl as lmdock_hookimpl
 from lmdock._engine.detok import IncrementalDetokenizer
+from lmdock.backend import FcfsScheduler
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
 

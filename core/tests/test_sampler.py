@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 from lmdock import SamplingParams
-from lmdock.backend import ReferenceSampler, SampleRow
 from lmdock._engine.sampler import apply_penalties, mask_min_tokens
+from lmdock.backend import ReferenceSampler, SampleRow
 
 LOGITS = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], dtype=np.float32)
 DRAWS = 20_000

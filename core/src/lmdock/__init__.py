@@ -36,8 +36,7 @@ from lmdock._tokenizer import Tokenizer
 __version__ = "0.1.0"
 
 # The backend authors' namespace, so `import lmdock` is enough to write `lmdock.backend.BackendSpec`.
-from lmdock import backend  # noqa: E402
-
+from lmdock import backend as backend  # noqa: E402
 
 __all__ = [
     "BackendError",

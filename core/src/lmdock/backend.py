@@ -8,7 +8,7 @@ the names that live beside NumPy code resolve on first access.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmdock._contract import (
     CAPABILITIES,
@@ -28,6 +28,11 @@ from lmdock._outputs import CompletionOutput, Logprob, RequestOutput
 from lmdock._params import ModelConfig
 from lmdock._sinks import safe_fail, safe_put
 from lmdock._tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from lmdock._engine.sampler import ReferenceSampler, Sample, Sampler, SampleRow
+    from lmdock._engine.scheduler import FcfsScheduler, Scheduler
+    from lmdock._engine.slots import SlotTable
 
 _LAZY = {
     "FcfsScheduler": "lmdock._engine.scheduler",

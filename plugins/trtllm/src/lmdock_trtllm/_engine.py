@@ -13,8 +13,7 @@ import threading
 from typing import Any
 
 from lmdock import BackendError, ModelConfig, RequestError, UnsupportedError
-from lmdock.backend import EngineRequest, OutputSink, read_model_json
-from lmdock.backend import CompletionOutput, Logprob, RequestOutput
+from lmdock.backend import CompletionOutput, EngineRequest, Logprob, OutputSink, RequestOutput, read_model_json
 
 from lmdock_trtllm._refs import materialize
 from lmdock_trtllm._translate import Api, sampling_kwargs

@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmdock import BackendError, EngineClosedError, ModelConfig, RequestError, UnsupportedError
-from lmdock.backend import EngineRequest, OutputSink, read_model_json
-from lmdock.backend import CompletionOutput, Logprob, RequestOutput
+from lmdock.backend import CompletionOutput, EngineRequest, Logprob, OutputSink, RequestOutput, read_model_json
 
 from lmdock_vllm._translate import sampling_kwargs
 
