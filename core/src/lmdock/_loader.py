@@ -1,0 +1,130 @@
+"""Resolving a model (config-file name, path or hub id, plus overrides) and loading its engine: backend
+selection with fallbacks and ``auto``, option validation, the quantization and build-config hooks, and
+wrapping a step engine into the core's loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from lmdock._config import SECTIONS, ConfigFile, find_config, load_config, model_config
+from lmdock._contract import BackendSpec, RequestEngine
+from lmdock._errors import BackendError, ConfigError, LmdockError, UnsupportedError
+from lmdock._params import ModelConfig, SamplingParams
+from lmdock._schema import build
+
+
+def resolve_model(model: str | os.PathLike[str] | None, config: str | os.PathLike[str] | None, options: dict[str, Any]) -> ModelConfig:
+    """Turn ``LLM(model, config=..., **options)`` into one validated :class:`ModelConfig`."""
+    path = find_config(config)
+    cfg: ConfigFile | None = load_config(path) if path is not None else None
+    name = str(model) if model is not None else None
+    if cfg is not None and (name is None or name in cfg.models):
+        if name is None:
+            name = cfg.default_model or (next(iter(cfg.models)) if len(cfg.models) == 1 else None)
+            if name is None:
+                raise ConfigError("several models and no default_model: name one", source=cfg.path)
+        return _overlay(cfg.model(name), options)
+    if name is None:
+        raise ConfigError("no model given and no config file found (looked for --config, $LMDOCK_CONFIG, ./lmdock.toml, ~/.config/lmdock/lmdock.toml)")
+    return model_config({"model": name, **options}, source="<options>", base_dir=Path.cwd())
+
+
+def _overlay(base: ModelConfig, options: dict[str, Any]) -> ModelConfig:
+    if not options:
+        return base
+    entry: dict[str, Any] = {"model": base.model}
+    entry.update({k: getattr(base, k) for k in ("backend", "fallback", "tokenizer", "revision", "trust_remote_code")})
+    for section in SECTIONS:
+        value = options.get(section)
+        entry[section] = getattr(base, section).replace(**value) if isinstance(value, dict) else (value or getattr(base, section))
+    entry["sampling"] = {**base.sampling, **sampling_dict(options.get("sampling", {}))}
+    entry["backends"] = {**base.backends, **options.get("backends", {})}
+    for key in ("backend", "fallback", "tokenizer", "revision", "trust_remote_code", "model"):
+        if key in options:
+            entry[key] = options[key]
+    unknown = set(options) - set(entry)
+    if unknown:
+        raise ConfigError(f"unknown option {sorted(unknown)[0]!r}", source="<options>")
+    return model_config(entry, name=base.name, source=base.source or "<options>", base_dir=Path.cwd())
+
+
+def load_engine(mc: ModelConfig) -> tuple[RequestEngine, BackendSpec]:
+    """Select the backend (with fallbacks and ``auto``), translate the config, load the engine."""
+    from lmdock._plugins import get_registry
+
+    registry = get_registry()
+    candidates = _candidates(mc, registry)
+    failures: list[tuple[str, LmdockError]] = []
+    for name in candidates:
+        try:
+            spec = registry.backend(name)
+            reason = spec.available()
+            if reason:
+                raise BackendError(f"backend {name!r} is not available here: {reason}")
+            engine = _load_one(spec, mc, registry)
+        except ConfigError:
+            raise  # the user's options are wrong: no fallback hides that
+        except LmdockError as exc:
+            failures.append((name, exc))
+            continue
+        if engine is not None:
+            return engine, spec
+        failures.append((name, BackendError(f"backend {name!r} declined model {mc.model!r}")))
+    if len(failures) == 1:
+        raise failures[0][1]
+    detail = "; ".join(f"{n}: {e}" for n, e in failures) or "no backend is installed (pip install lmdock-hf)"
+    raise BackendError(f"no backend could load {mc.model!r}: {detail}")
+
+
+def _candidates(mc: ModelConfig, registry: Any) -> list[str]:
+    names: list[str] = []
+    for name in (mc.backend, *mc.fallback):
+        if name == "auto":
+            ranked = sorted(registry.backends.values(), key=lambda s: -s.priority)
+            names += [s.name for s in ranked if s.available() is None and s.name not in names]
+            if not ranked:
+                raise BackendError("backend 'auto': no backend is installed; pip install lmdock-hf (or lmdock-onnx, lmdock-mlx, lmdock-vllm)")
+        elif name not in names:
+            names.append(name)
+    return names
+
+
+def _load_one(spec: BackendSpec, mc: ModelConfig, registry: Any) -> RequestEngine | None:
+    hook = registry.hook()
+    prefix = f"models.{mc.name}.backends.{spec.name}" if mc.name else f"backends.{spec.name}"
+    raw = mc.backend_options(spec.name)
+    options = build(spec.options, raw, source=mc.source, prefix=prefix) if spec.options else raw
+    quant = None
+    if mc.quantization.enabled:
+        quant = hook.lmdock_translate_quantization(backend=spec.name, quant=mc.quantization, model_config=mc)
+        if quant is None:
+            raise UnsupportedError(f"backend {spec.name!r} cannot quantize ({mc.quantization.algo!r}); remove [quantization] or pick another backend")
+    build_args = hook.lmdock_translate_build_config(backend=spec.name, model_config=mc) or {}
+    engine = hook.lmdock_load_engine(backend=spec.name, model_config=mc, options=options, quantization=quant, build=build_args)
+    if engine is None or spec.kind == "request":
+        return engine
+    return _wrap_step_engine(engine, spec, mc, hook)
+
+
+def _wrap_step_engine(engine: Any, spec: BackendSpec, mc: ModelConfig, hook: Any) -> RequestEngine:
+    from lmdock._engine.runner import StepRunner
+
+    scheduler = hook.lmdock_make_scheduler(config=mc.scheduler, max_seq_len=engine.max_seq_len, kv_capacity_tokens=engine.kv_capacity_tokens)
+    if scheduler is None:
+        engine.close()
+        raise ConfigError(f"no plugin provides scheduling policy {mc.scheduler.policy!r}", source=mc.source, key="scheduler.policy")
+    sampler = hook.lmdock_make_sampler(backend=spec.name, model_config=mc)
+
+    def processors_for(params: SamplingParams) -> list[Any]:
+        return [p for group in hook.lmdock_logits_processors(params=params) if group for p in group]
+
+    return StepRunner(engine, scheduler, sampler, processors_for)
+
+
+def sampling_dict(value: Any) -> dict[str, Any]:
+    if isinstance(value, SamplingParams):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    return dict(value)
