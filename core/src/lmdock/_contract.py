@@ -139,6 +139,12 @@ class StepEngine(Protocol):
         """Copy the first ``length`` KV positions of ``src`` into a new ``dst``; False if unsupported."""
         ...
 
+    def num_sequences(self) -> int:
+        """How many sequences the engine holds KV state for now.  The core releases every sequence
+        exactly once, so this returns to zero when no request is in flight; the conformance suite
+        checks it after aborts, failures and preemption."""
+        ...
+
     def close(self) -> None: ...
 
     # Optional: ``thread_exit()`` is called in the engine thread as it ends, for resources that

@@ -148,6 +148,9 @@ class NumpyLlama:
         self.caches[dst_seq_id] = self.caches[src_seq_id].copy(length)
         return True
 
+    def num_sequences(self) -> int:
+        return len(self.caches)
+
     def close(self) -> None:
         self.caches.clear()
 

@@ -239,6 +239,9 @@ class HFStepEngine:
         self.cache.copy(src_seq_id, dst_seq_id, length)
         return True
 
+    def num_sequences(self) -> int:
+        return len(self.cache)
+
     def close(self) -> None:
         self.cache = SlotKVCache(self.device, self.dtype, self.max_seq_len)
         self.model = None

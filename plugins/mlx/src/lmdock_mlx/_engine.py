@@ -198,6 +198,9 @@ class MlxStepEngine:
         mx.synchronize()
         mx.clear_streams()
 
+    def num_sequences(self) -> int:
+        return len(self.caches) + len(self.group_ids)
+
     def close(self) -> None:
         self.caches.clear()
         self.group_ids, self.group = [], []

@@ -315,6 +315,9 @@ class OnnxStepEngine:
         self.cache.copy(src_seq_id, dst_seq_id, length)
         return True
 
+    def num_sequences(self) -> int:
+        return len(self.cache)
+
     def close(self) -> None:
         self.cache = SlotCache(self.layout, self.max_seq_len)
         self._bound, self._kv = None, ([], [])
