@@ -96,6 +96,9 @@ class FakeStepEngine:
     def fork(self, src_seq_id: int, dst_seq_id: int, length: int) -> bool:
         return False
 
+    def num_sequences(self) -> int:
+        return len(self.state)
+
     def close(self) -> None:
         self.closed = True
 

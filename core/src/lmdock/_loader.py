@@ -11,7 +11,7 @@ from typing import Any
 
 from lmdock._config import SECTIONS, ConfigFile, find_config, load_config, model_config
 from lmdock._contract import BackendSpec, RequestEngine
-from lmdock._errors import BackendError, ConfigError, LmdockError, UnsupportedError
+from lmdock._errors import BackendError, ConfigError, LmdockError, RequestError, UnsupportedError
 from lmdock._params import ModelConfig, SamplingParams
 from lmdock._schema import build
 
@@ -119,7 +119,14 @@ def _wrap_step_engine(engine: Any, spec: BackendSpec, mc: ModelConfig, hook: Any
     sampler = hook.lmdock_make_sampler(backend=spec.name, model_config=mc)
 
     def processors_for(params: SamplingParams) -> list[Any]:
-        return [p for group in hook.lmdock_logits_processors(params=params) if group for p in group]
+        out: list[Any] = []
+        for impl in _in_registration_order(hook.lmdock_logits_processors.get_hookimpls()):
+            try:
+                group = impl.function(params=params)
+            except Exception as exc:
+                raise RequestError(f"plugin {impl.plugin_name!r}: lmdock_logits_processors failed: {type(exc).__name__}: {exc}") from exc
+            out += [named_processor(proc, impl.plugin_name) for proc in group or ()]
+        return out
 
     return StepRunner(engine, scheduler, sampler, processors_for)
 
@@ -128,3 +135,24 @@ def sampling_dict(value: Any) -> dict[str, Any]:
     if isinstance(value, SamplingParams):
         return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     return dict(value)
+
+
+def _in_registration_order(impls: list[Any]) -> list[Any]:
+    """Hook implementations in the order the docs promise: ``tryfirst`` ones, then the rest in plugin
+    registration order, then ``trylast`` ones (pluggy itself calls them last-registered first)."""
+    return sorted(impls, key=lambda i: 0 if i.tryfirst else (2 if i.trylast else 1))
+
+
+def named_processor(proc: Any, plugin: str) -> Any:
+    """Wrap a logits processor so its failure names it and its plugin (and fails its request alone)."""
+    name = getattr(proc, "__qualname__", None) or type(proc).__name__
+
+    def run(token_ids: list[int], logits: Any) -> Any:
+        try:
+            return proc(token_ids, logits)
+        except Exception as exc:
+            raise RequestError(f"logits processor {name!r} of plugin {plugin!r} failed: {type(exc).__name__}: {exc}") from exc
+
+    run.plugin = plugin  # type: ignore[attr-defined]
+    run.__qualname__ = name
+    return run

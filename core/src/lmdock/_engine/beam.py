@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -92,3 +93,41 @@ class BeamSearch:
 
     def _full(self) -> bool:
         return len(self.hyps) >= self.width
+
+
+def beam_choices(beam: BeamSearch, params: Any, live: Sequence[Any], eos_token_ids: Sequence[int], max_seq_len: int) -> list[list[Choice]]:
+    """One beam-search step for a request whose live beams all have this step's log-softmax
+    (``beam_lp``): the children of each live beam (empty: the beam is pruned; the search may be done).
+
+    EOS and stop tokens end a hypothesis (masked until ``min_new_tokens``); the length limit is
+    ``max_new_tokens`` or the context.
+    """
+    lps = np.stack([s.beam_lp for s in live])
+    ends = np.zeros(lps.shape[1], dtype=bool)
+    ends[list(params.stop_token_ids)] = True
+    if not params.ignore_eos:
+        ends[list(eos_token_ids)] = True
+    n_out = live[0].num_output
+    if n_out < params.min_new_tokens:
+        lps[:, ends] = -np.inf
+    limit = params.max_new_tokens
+    at_limit = (limit is not None and n_out + 1 >= limit) or len(live[0].token_ids) + 1 >= max_seq_len
+    outputs = [s.token_ids[s.prompt_len :] for s in live]
+    running = np.array([s.cumulative_logprob or 0.0 for s in live])
+    children: list[list[Choice]] = [[] for _ in live]
+    for c in beam.step(outputs, running, lps, ends, at_limit):
+        children[c.beam].append(c)
+    return children
+
+
+#: SamplingParams fields beam search does not honour, with their neutral values: a request that sets
+#: one is refused by name rather than silently ignored.
+UNSUPPORTED_WITH_BEAMS = {
+    "repetition_penalty": 1.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "min_p": 0.0,
+    "structured_output": None,
+    "logprobs": None,
+    "stop": (),
+}

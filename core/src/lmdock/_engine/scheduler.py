@@ -5,6 +5,10 @@ prompt while prefilling), within ``max_num_batched_tokens``; then waiting sequen
 first, while there is room in ``max_num_seqs``, the token budget and the KV capacity.  When the KV
 state would overflow, the newest running sequence is preempted: its state is dropped and it waits at
 the head of the queue to be recomputed later, rather than failed.
+
+Sequences that share a ``group`` (a beam search's beams, which advance together) are preempted and
+readmitted together, so no member waits for a sibling that cannot get back in; a group, or a
+sequence, that cannot fit even with nothing else running fails with the reason instead of waiting.
 """
 
 from __future__ import annotations
@@ -82,16 +86,36 @@ class FcfsScheduler:
         preempted, failed = self._fit_capacity(plan)
         if preempted:  # do not admit in a step that had to evict
             return [p for p in plan if p[0] not in preempted], preempted, failed
-        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
-            seq = self.waiting[0]
-            n = min(len(seq.token_ids) - seq.num_computed, budget)
-            if self.capacity is not None and self._kv_after(plan) + seq.num_computed + n > self.capacity:
+        while self.waiting and budget > 0:
+            members = self._head_group()
+            if self.running and len(self.running) + len(members) > self.config.max_num_seqs:
+                break  # (a group larger than max_num_seqs still runs, alone)
+            need = sum(len(s.token_ids) for s in members) if len(members) > 1 else members[0].num_computed + min(len(members[0].token_ids) - members[0].num_computed, budget)
+            if self.capacity is not None and self._kv_after(plan) + need > self.capacity:
+                if not self.running:  # it cannot fit even alone: fail it rather than wait forever
+                    for s in members:
+                        self.waiting.remove(s)
+                        failed.append((s, f"the request needs {need} tokens of KV state, more than the KV capacity ({self.capacity} tokens)"))
+                    continue
                 break
-            self.waiting.popleft()
-            self.running.append(seq)
-            plan.append((seq, n))
-            budget -= n
+            for seq in members:
+                if seq is self.waiting[0]:
+                    self.waiting.popleft()
+                else:
+                    self.waiting.remove(seq)
+                self.running.append(seq)
+                n = min(len(seq.token_ids) - seq.num_computed, budget)
+                if n > 0:
+                    plan.append((seq, n))
+                    budget -= n
         return plan, preempted, failed
+
+    def _head_group(self) -> list[SchedSeq]:
+        head = self.waiting[0]
+        group = getattr(head, "group", None)
+        if group is None:
+            return [head]
+        return [s for s in self.waiting if getattr(s, "group", None) == group]
 
     def _kv_after(self, plan: list[tuple[SchedSeq, int]]) -> int:
         planned = {id(s): n for s, n in plan}
@@ -103,12 +127,18 @@ class FcfsScheduler:
         if self.capacity is None:
             return preempted, failed
         while self.running and self._kv_after(plan) > self.capacity:
-            victim = self.running.pop()  # the newest
-            plan[:] = [p for p in plan if p[0] is not victim]
+            newest = self.running[-1]
+            group = getattr(newest, "group", None)
+            victims = [newest] if group is None else [s for s in self.running if getattr(s, "group", None) == group]
+            for v in victims:
+                self.running.remove(v)
+            plan[:] = [p for p in plan if p[0] not in victims]
             if not self.running:
-                failed.append((victim, f"the sequence needs more than the KV capacity ({self.capacity} tokens)"))
+                for v in victims:
+                    failed.append((v, f"the sequence needs more than the KV capacity ({self.capacity} tokens)"))
                 break
-            victim.num_computed = 0
-            self.waiting.appendleft(victim)
-            preempted.append(victim)
+            for v in reversed(victims):
+                v.num_computed = 0
+                self.waiting.appendleft(v)
+            preempted.extend(victims)
         return preempted, failed

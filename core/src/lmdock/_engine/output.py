@@ -1,0 +1,123 @@
+"""Turning sampled tokens into what callers see (vLLM v1's OutputProcessor is the model): stop
+conditions, incremental detokenization with stop strings, logprob entries, prompt logprobs, and the
+cumulative ``RequestOutput`` snapshots a sink receives."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from lmdock._contract import SeqChunk
+from lmdock._engine.sampler import Sample, log_softmax
+from lmdock._engine.sequence import Req, Seq
+from lmdock._outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, eos_token_ids: Sequence[int], max_seq_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_seq_len = max_seq_len
+
+    # -- one new token ------------------------------------------------------------------------------
+
+    def append(self, seq: Seq, sample: Sample) -> None:
+        """Append a sampled token; set ``finish_reason`` when a stop condition holds.  The caller
+        releases finished sequences."""
+        tok = sample.token
+        params = seq.row.params
+        seq.token_ids.append(tok)
+        if seq.logprobs is not None and sample.logprob is not None:
+            seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + sample.logprob
+            seq.logprobs.append(self._sample_logprobs(sample))
+        past_min = seq.num_output >= params.min_new_tokens
+        if past_min and not params.ignore_eos and tok in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif past_min and tok in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", tok
+        by_token = seq.finish_reason is not None
+        if seq.detok is not None and (not by_token or params.include_stop_str_in_output):
+            delta = seq.detok.push(tok)
+            seq.text = seq.detok.text
+            hit = seq.stops.find(seq.text, len(delta)) if past_min and not by_token else None
+            if hit is not None:
+                seq.text, stop = hit
+                seq.finish_reason, seq.stop_reason = "stop", stop
+        if seq.finish_reason is None:
+            limit = params.max_new_tokens
+            if (limit is not None and seq.num_output >= limit) or len(seq.token_ids) >= self.max_seq_len:
+                seq.finish_reason = "length"
+
+    # -- logprobs -----------------------------------------------------------------------------------
+
+    def record_prompt_logprobs(self, seq: Seq, chunk: SeqChunk, full: np.ndarray) -> None:
+        """Prompt logprobs of the positions this chunk computed that are not recorded yet (a sequence
+        recomputed after a preemption computes them again; they are kept once)."""
+        req = seq.req
+        assert req is not None and req.prompt_logprobs is not None  # noqa: S101 - guarded by the caller
+        plp = req.prompt_logprobs
+        k = req.request.params.prompt_logprobs or 0
+        rows = [i for i in range(len(chunk.token_ids)) if len(plp) <= chunk.start + i + 1 < seq.prompt_len]
+        if not rows:
+            return
+        lps = log_softmax(full[rows])
+        for r, lp in zip(rows, lps):
+            if chunk.start + r + 1 != len(plp):
+                continue  # never leave a hole
+            plp.append(self._position_logprobs(seq.token_ids[chunk.start + r + 1], lp, k))
+
+    def _position_logprobs(self, token: int, lp: np.ndarray, k: int) -> PositionLogprobs:
+        decode = self.tokenizer.decode
+        entry = {token: Logprob(float(lp[token]), int((lp > lp[token]).sum()) + 1, decode([token]))}
+        if k:
+            top = np.argsort(-lp, kind="stable")[:k]
+            for rank, t in enumerate(top, start=1):
+                entry.setdefault(int(t), Logprob(float(lp[t]), rank, decode([int(t)])))
+        return entry
+
+    def _sample_logprobs(self, sample: Sample) -> PositionLogprobs:
+        decode = self.tokenizer.decode
+        entry = {sample.token: Logprob(sample.logprob or 0.0, sample.rank, decode([sample.token]))}
+        for rank, (t, lp) in enumerate(sample.top, start=1):
+            entry.setdefault(t, Logprob(lp, rank, decode([t])))
+        return entry
+
+    # -- snapshots ----------------------------------------------------------------------------------
+
+    def snapshot(self, req: Req) -> RequestOutput:
+        if req.beam is not None:
+            outs = self._beam_outputs(req) if req.beam.done else []
+        else:
+            outs = [
+                CompletionOutput(
+                    index=s.index,
+                    text=s.visible_text(),
+                    token_ids=s.token_ids[s.prompt_len :],
+                    cumulative_logprob=s.cumulative_logprob,
+                    logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
+                )
+                for s in req.seqs
+            ]
+        return RequestOutput(
+            request_id=req.request.request_id,
+            prompt=req.request.prompt,
+            prompt_token_ids=list(req.request.prompt_token_ids),
+            outputs=outs,
+            finished=req.finished,
+            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
+        )
+
+    def _beam_outputs(self, req: Req) -> list[CompletionOutput]:
+        assert req.beam is not None  # noqa: S101
+        p = req.request.params
+        eos = set(self.eos_token_ids) | set(p.stop_token_ids)
+        outs = []
+        for index, hyp in enumerate(req.beam.hyps[: p.n]):
+            text = self.tokenizer.decode(hyp.token_ids, skip_special_tokens=p.skip_special_tokens) if p.detokenize else ""
+            ended = bool(hyp.token_ids) and hyp.token_ids[-1] in eos
+            outs.append(CompletionOutput(index, text, hyp.token_ids, hyp.logprob, None, "stop" if ended else "length"))
+        return outs
