@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import dataclasses
 import itertools
 import os
+import time
 import weakref
+from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from lmdock._contract import EngineRequest, RequestEngine
-from lmdock._errors import ConfigError, RequestError
+from lmdock._errors import ConfigError, QueueFullError, RequestError
 from lmdock._loader import load_engine, resolve_model
 from lmdock._outputs import RequestOutput
 from lmdock._params import SamplingParams
@@ -176,19 +179,38 @@ class LLM:
         return self._run_batch(requests, use_tqdm)
 
     def _run_batch(self, requests: list[EngineRequest], use_tqdm: bool | None) -> list[RequestOutput]:
-        futures: list[RequestFuture] = []
+        """Run a batch of any size: requests are fed as the engine's queue drains (vLLM's ``generate``
+        takes any number of prompts), so ``scheduler.max_waiting`` bounds concurrent submitters, not
+        one large offline batch."""
+        window = max(1, self.model_config.scheduler.max_waiting // 2 + self.model_config.scheduler.max_num_seqs)
+        futures: dict[int, RequestFuture] = {}
+        results: list[RequestOutput | None] = [None] * len(requests)
+        todo = deque(range(len(requests)))
+        progress = Progress(len(requests), use_tqdm if use_tqdm is not None else (None if len(requests) >= 16 else False))
         try:
-            for i, req in enumerate(requests):
-                futures.append(_indexed(i, len(requests), self._submit, req))
-            progress = Progress(len(futures), use_tqdm if use_tqdm is not None else (None if len(futures) >= 16 else False))
-            results = []
-            for fut in futures:
-                out = fut.result()
-                progress.update(sum(len(o.token_ids) for o in out.outputs))
-                results.append(out)
-            return results
+            while todo or futures:
+                while todo and len(futures) < window:
+                    i = todo.popleft()
+                    futures[i] = _indexed(i, len(requests), self._submit, requests[i])
+                done, _ = concurrent.futures.wait(futures.values(), return_when=concurrent.futures.FIRST_COMPLETED)
+                full = False
+                for i in [i for i, f in futures.items() if f in done]:
+                    fut = futures.pop(i)
+                    error = fut.exception()
+                    if isinstance(error, QueueFullError):  # other submitters filled the queue: retry later
+                        todo.appendleft(i)
+                        full = True
+                        continue
+                    if error is not None:
+                        raise _indexed_error(i, len(requests), error)
+                    out = fut.result()
+                    results[i] = out
+                    progress.update(sum(len(o.token_ids) for o in out.outputs))
+                if full and not futures:
+                    time.sleep(0.01)
+            return results  # type: ignore[return-value]
         except BaseException:
-            for fut in futures:
+            for fut in futures.values():
                 fut.cancel()
             raise
 
@@ -345,6 +367,13 @@ def _indexed(i: int, total: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
         if total == 1:
             raise
         raise RequestError(f"prompt {i}: {exc}") from None
+
+
+def _indexed_error(i: int, total: int, error: BaseException) -> BaseException:
+    """A batch's failed request, saying which prompt it was."""
+    if total == 1 or not isinstance(error, RequestError):
+        return error
+    return RequestError(f"prompt {i}: {error}")
 
 
 def _all_fields(params: SamplingParams) -> dict[str, Any]:

@@ -33,22 +33,29 @@ def resolve_model(model: str | os.PathLike[str] | None, config: str | os.PathLik
 
 
 def _overlay(base: ModelConfig, options: dict[str, Any]) -> ModelConfig:
+    """The config file's entry with ``LLM(...)`` options over it, validated like the file itself: a
+    section given as a dict overrides the entry's fields one by one."""
     if not options:
         return base
-    entry: dict[str, Any] = {"model": base.model}
-    entry.update({k: getattr(base, k) for k in ("backend", "fallback", "tokenizer", "revision", "trust_remote_code")})
+    allowed = {"model", "backend", "fallback", "tokenizer", "revision", "trust_remote_code", "sampling", "backends", *SECTIONS}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ConfigError(f"unknown option {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}", source="<options>", key=unknown[0])
+    entry: dict[str, Any] = {k: getattr(base, k) for k in ("model", "backend", "fallback", "tokenizer", "revision", "trust_remote_code")}
     for section in SECTIONS:
+        current = getattr(base, section)
         value = options.get(section)
-        entry[section] = getattr(base, section).replace(**value) if isinstance(value, dict) else (value or getattr(base, section))
+        if isinstance(value, dict):
+            fields = {f.name: getattr(current, f.name) for f in dataclasses.fields(current) if f.init}
+            entry[section] = {**fields, **value}
+        else:
+            entry[section] = value or current
     entry["sampling"] = {**base.sampling, **sampling_dict(options.get("sampling", {}))}
     entry["backends"] = {**base.backends, **options.get("backends", {})}
     for key in ("backend", "fallback", "tokenizer", "revision", "trust_remote_code", "model"):
         if key in options:
             entry[key] = options[key]
-    unknown = set(options) - set(entry)
-    if unknown:
-        raise ConfigError(f"unknown option {sorted(unknown)[0]!r}", source="<options>")
-    return model_config(entry, name=base.name, source=base.source or "<options>", base_dir=Path.cwd())
+    return model_config(entry, name=base.name, source="<options>", base_dir=Path.cwd())
 
 
 def load_engine(mc: ModelConfig) -> tuple[RequestEngine, BackendSpec]:

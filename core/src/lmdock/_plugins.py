@@ -74,6 +74,17 @@ class Registry:
             self.broken[name] = BrokenPlugin(name, distribution, f"{type(exc).__name__}: {exc}")
             return
         for spec in specs:
+            first = self.backends.get(spec.name)
+            if first is not None and first.plugin != name:
+                # the first registration wins; the clash is reported, never silently resolved
+                self.broken[f"{name}:{spec.name}"] = BrokenPlugin(
+                    name,
+                    distribution,
+                    f"declares backend {spec.name!r}, which plugin {first.plugin!r}"
+                    + (f" (from {first.package})" if first.package else "")
+                    + " already registered; uninstall one of them or rename the backend",
+                )
+                continue
             version = spec.version or _dist_version(distribution)
             self.backends[spec.name] = dataclasses.replace(
                 spec, plugin=name, package=spec.package or distribution, version=version

@@ -12,8 +12,17 @@ import asyncio
 import threading
 from typing import Any
 
-from lmdock import BackendError, ModelConfig, RequestError, UnsupportedError
-from lmdock.backend import CompletionOutput, EngineRequest, Logprob, OutputSink, RequestOutput, read_model_json
+from lmdock import BackendError, EngineClosedError, ModelConfig, RequestError, UnsupportedError
+from lmdock.backend import (
+    CompletionOutput,
+    EngineRequest,
+    Logprob,
+    OutputSink,
+    RequestOutput,
+    read_model_json,
+    safe_fail,
+    safe_put,
+)
 
 from lmdock_trtllm._refs import materialize
 from lmdock_trtllm._translate import Api, sampling_kwargs
@@ -43,6 +52,11 @@ class TrtllmEngine:
         self.max_seq_len = max_seq_len
         self.generation_config = generation_config
         self._results: dict[str, Any] = {}
+        #: requests in flight (submitted, not yet finished or failed) and their sinks
+        self._sinks: dict[str, OutputSink] = {}
+        #: aborts that arrived before TensorRT-LLM's result handle existed
+        self._aborted: set[str] = set()
+        self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="lmdock-trtllm", daemon=True)
         self._thread.start()
@@ -61,10 +75,6 @@ class TrtllmEngine:
     # -- the RequestEngine interface ------------------------------------------------------------
 
     def submit(self, request: EngineRequest, sink: OutputSink) -> None:
-        if self._closed:
-            from lmdock import EngineClosedError
-
-            raise EngineClosedError("this LLM was shut down; create a new one")
         if not request.prompt_token_ids:
             raise RequestError("the prompt is empty: give at least one token or a non-empty string")
         if len(request.prompt_token_ids) >= self.max_seq_len:
@@ -77,34 +87,79 @@ class TrtllmEngine:
         from tensorrt_llm import SamplingParams
 
         params = SamplingParams(**materialize(kwargs))
+        with self._lock:  # close() fails whatever is registered here: a submit never slips past it
+            if self._closed:
+                raise EngineClosedError("this LLM was shut down; create a new one")
+            self._sinks[request.request_id] = sink
         asyncio.run_coroutine_threadsafe(self._run(request, params, sink), self._loop)
 
     async def _run(self, request: EngineRequest, params: Any, sink: OutputSink) -> None:
+        rid = request.request_id
         try:
+            if self._take_abort(rid):
+                self._done(rid, sink, _aborted(request))
+                return
             result = self._llm.generate_async(list(request.prompt_token_ids), sampling_params=params, streaming=request.stream)
-            self._results[request.request_id] = result
+            self._results[rid] = result
+            if self._take_abort(rid):  # aborted while the handle was being made
+                result.abort()
             if request.stream:
                 async for out in result:
-                    sink.put(self._convert(request, out))
+                    converted = self._convert(request, out)
+                    if converted.finished:
+                        self._done(rid, sink, converted)
+                    else:
+                        safe_put(sink, converted)
             else:
-                sink.put(self._convert(request, await result.aresult()))
+                self._done(rid, sink, self._convert(request, await result.aresult()))
         except Exception as exc:
-            sink.fail(BackendError(f"TensorRT-LLM failed request {request.request_id}: {type(exc).__name__}: {exc}"))
+            self._done(rid, sink, BackendError(f"TensorRT-LLM failed request {rid}: {type(exc).__name__}: {exc}"))
         finally:
-            self._results.pop(request.request_id, None)
+            self._results.pop(rid, None)
+            with self._lock:
+                if self._sinks.pop(rid, None) is not None:  # ended without a final output
+                    safe_fail(sink, BackendError(f"TensorRT-LLM ended request {rid} without a final output"))
+
+    def _take_abort(self, rid: str) -> bool:
+        with self._lock:
+            if rid in self._aborted:
+                self._aborted.discard(rid)
+                return True
+            return False
+
+    def _done(self, rid: str, sink: OutputSink, item: RequestOutput | BaseException) -> None:
+        """The request's last word: a final output or an error, once (close may have failed it already)."""
+        with self._lock:
+            if self._sinks.pop(rid, None) is None:
+                return
+        if isinstance(item, BaseException):
+            safe_fail(sink, item)
+        else:
+            safe_put(sink, item)
 
     def abort(self, request_id: str) -> None:
         def _abort() -> None:
             result = self._results.get(request_id)
             if result is not None:
                 result.abort()
+            else:
+                with self._lock:
+                    if request_id in self._sinks:
+                        self._aborted.add(request_id)
 
-        self._loop.call_soon_threadsafe(_abort)
+        if not self._closed:
+            self._loop.call_soon_threadsafe(_abort)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        """Fail every request in flight with EngineClosedError, then shut TensorRT-LLM down."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            inflight, self._sinks = self._sinks, {}
+        error = EngineClosedError("the LLM was shut down")
+        for sink in inflight.values():
+            safe_fail(sink, error)
         try:
             self._llm.shutdown()
         finally:
@@ -130,6 +185,11 @@ class TrtllmEngine:
         if prompt_lp is not None:
             prompt_lp = [None, *prompt_lp][: len(request.prompt_token_ids)]
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), outputs, bool(out.finished), prompt_lp)
+
+
+def _aborted(request: EngineRequest) -> RequestOutput:
+    return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
+                         [CompletionOutput(0, "", [], None, None, "abort")], True, None)
 
 
 def _logprobs(value: Any) -> list[dict[int, Logprob]] | None:
