@@ -17,6 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 PROMPT = "Once upon a time"
+#: A prompt where beam search (4 beams) and greedy differ from the first token on, so a backend that
+#: ignores beam_width cannot pass the beam test.
+BEAM_PROMPT = "The cat"
 PUBLISHED = [432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267, 337, 410, 408,
              419, 292, 411, 322, 265, 282, 295, 433, 426, 385, 328, 432, 358, 394, 261, 370, 432, 352, 266, 268, 388, 426]
 TOP = 8
@@ -33,6 +36,12 @@ def main(folder: str) -> None:
         seq = ids + greedy
         lp = torch.log_softmax(model(torch.tensor([seq])).logits[0].double(), dim=-1)
         beams = model.generate(t, attention_mask=torch.ones_like(t), num_beams=4, max_new_tokens=30, do_sample=False)[0, len(ids):].tolist()
+        beam_ids = tok.encode(BEAM_PROMPT)
+        bt = torch.tensor([beam_ids])
+        beam_greedy = model.generate(bt, attention_mask=torch.ones_like(bt), max_new_tokens=30, do_sample=False)[0, len(beam_ids):].tolist()
+        beam_differs = model.generate(bt, attention_mask=torch.ones_like(bt), num_beams=4, max_new_tokens=30, do_sample=False)[0, len(beam_ids):].tolist()
+        assert beam_differs[0] != beam_greedy[0], "pick a BEAM_PROMPT where beam search and greedy differ"
+        raw_logits = model(t).logits[0, -1].double().tolist()  # for penalties, which are not shift-invariant
         prefixes = [ids, ids[:3], seq[:12]]
         next_lp = [torch.log_softmax(model(torch.tensor([p])).logits[0, -1].double(), dim=-1).tolist() for p in prefixes]
     positions = []
@@ -49,6 +58,10 @@ def main(folder: str) -> None:
         "greedy_40_text": tok.decode(greedy, skip_special_tokens=True),
         "positions": positions,
         "beam4_30": beams,
+        "beam_prompt_ids": beam_ids,
+        "beam_prompt_greedy_30": beam_greedy,
+        "beam_prompt_beam4_30": beam_differs,
+        "next_token_logits": raw_logits,
         "next_token": [{"prefix": p, "logprobs": v} for p, v in zip(prefixes, next_lp)],
         "bos": tok.bos_token_id,
         "eos": tok.eos_token_id,

@@ -53,3 +53,7 @@ def test_next_token_logprobs(llm: Any, reference: dict, lmdock_setup: Any) -> No
 def test_beam_search_matches_transformers(llm: Any, reference: dict) -> None:
     out = llm.generate([reference["prompt_ids"]], SamplingParams(beam_width=4, max_new_tokens=30))[0]
     assert out.outputs[0].token_ids == reference["beam4_30"]
+    # on this prompt 4 beams and greedy differ from the first token: ignoring beam_width cannot pass
+    assert reference["beam_prompt_beam4_30"][0] != reference["beam_prompt_greedy_30"][0]
+    out = llm.generate([reference["beam_prompt_ids"]], SamplingParams(beam_width=4, max_new_tokens=30))[0]
+    assert out.outputs[0].token_ids == reference["beam_prompt_beam4_30"]

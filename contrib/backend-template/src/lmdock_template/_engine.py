@@ -127,7 +127,11 @@ class NumpyLlama:
         if config.get("model_type") != "llama":
             raise BackendError(f"lmdock-template runs Llama models, not {config.get('model_type')!r}")
         weights = {k: v.astype(np.float32) for k, v in load_file(str(folder / "model.safetensors")).items()}
-        return cls(folder, config, weights, Tokenizer(Path(mc.tokenizer or folder)))
+        engine = cls(folder, config, weights, Tokenizer(Path(mc.tokenizer or folder)))
+        if mc.build.max_seq_len:  # the portable limits: context and the KV budget the scheduler keeps to
+            engine.max_seq_len = min(engine.max_seq_len, mc.build.max_seq_len)
+        engine.kv_capacity_tokens = mc.kv_cache.max_tokens
+        return engine
 
     # -- the step-engine contract ---------------------------------------------------------------
 

@@ -172,6 +172,9 @@ class StepRunner:
         vocab = self.engine.vocab_size
         if p.stop and not p.detokenize:
             raise RequestError("stop strings need detokenize=True; use stop_token_ids instead")
+        bad_stop = next((t for t in p.stop_token_ids if not 0 <= t < vocab), None)
+        if bad_stop is not None:
+            raise RequestError(f"stop_token_ids: {bad_stop} is outside the vocabulary [0, {vocab})")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(p, name)
             if k is not None and k > vocab:
