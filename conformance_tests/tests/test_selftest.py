@@ -92,3 +92,102 @@ def test_bad_options_are_a_usage_error(pytester: pytest.Pytester) -> None:
     )
     assert result.ret != 0
     result.stderr.fnmatch_lines(["*--lmdock-options is not valid JSON*"])
+
+
+# -- deliberately wrong backends: each must fail exactly the tests that check what it breaks -------------
+
+WRONG_BACKENDS = '''
+import dataclasses
+import numpy as np
+import lmdock
+from lmdock._loader import _wrap_step_engine
+from lmdock._plugins import get_registry
+from lmdock_template import SPEC
+from lmdock_template._engine import NumpyLlama
+
+
+class Leaky(NumpyLlama):
+    """Deliberately wrong: release() forgets nothing (an abort leaks the sequence)."""
+
+    def release(self, seq_id):
+        pass
+
+
+class OffByALittle(NumpyLlama):
+    """Deliberately wrong: logits off by up to 1e-3 (within greedy, outside the logprob tolerance)."""
+
+    def step(self, chunks):
+        out = super().step(chunks)
+        noise = np.random.default_rng(0).uniform(-1e-3, 1e-3, out.last.shape[1]).astype(np.float32)
+        out.last = out.last + noise
+        out.full = {k: v + noise for k, v in out.full.items()}
+        return out
+
+
+class WrongRequestEngine:
+    """A request engine (it samples for itself, as vLLM does) that drops one parameter."""
+
+    def __init__(self, inner, drop):
+        self.inner, self.drop = inner, drop
+
+    def submit(self, request, sink):
+        request = dataclasses.replace(request, params=request.params.replace(**self.drop))
+        self.inner.submit(request, sink)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+DROPS = {
+    "ignores-stop": {"stop": ()},
+    "ignores-seed": {"seed": None},
+    "ignores-beams": {"beam_width": 1},
+    "ignores-top-k": {"top_k": 0},
+}
+STEP = {"leaky": Leaky, "off-by-a-little": OffByALittle}
+
+
+class WrongPlugin:
+    @lmdock.hookimpl
+    def lmdock_register_backends(self, register):
+        for name in STEP:
+            register(dataclasses.replace(SPEC, name=name))
+        for name in DROPS:
+            register(dataclasses.replace(SPEC, name=name, kind="request"))
+
+    @lmdock.hookimpl
+    def lmdock_load_engine(self, backend, model_config, options, quantization, build):
+        if backend in STEP:
+            return STEP[backend].load(model_config)
+        if backend in DROPS:
+            engine = NumpyLlama.load(model_config)
+            runner = _wrap_step_engine(engine, SPEC, model_config, get_registry().hook())
+            return WrongRequestEngine(runner, DROPS[backend])
+        return None
+
+
+def pytest_configure(config):
+    get_registry().add_plugin(WrongPlugin(), "wrong-backends")
+'''
+
+#: backend -> (the tests to run, the ones that must fail)
+WRONG = {
+    "ignores-stop": ("stop_string", {"test_stop_string_cuts_text", "test_stop_string_spanning_tokens"}),
+    "ignores-seed": ("seed", {"test_seed_reproducibility", "test_seeded_samples_do_not_depend_on_the_batch"}),
+    "ignores-beams": ("beam_search", {"test_beam_search_matches_transformers"}),
+    "ignores-top-k": ("distribution_under", {"test_first_token_distribution_under_sampling_settings[temperature=3.0,top_k=3]"}),
+    "leaky": ("abort_frees or preemption_under", {"test_abort_frees_the_backends_state", "test_preemption_under_a_small_kv_budget_gives_the_same_tokens"}),
+    "off-by-a-little": ("logprobs_of or prompt_logprobs or greedy_reference_tokens", {"test_logprobs_of_generated_tokens", "test_prompt_logprobs"}),
+}
+
+
+@pytest.mark.parametrize("backend", sorted(WRONG))
+def test_each_wrong_backend_fails_exactly_its_tests(pytester: pytest.Pytester, backend: str) -> None:
+    selection, must_fail = WRONG[backend]
+    pytester.makeconftest(WRONG_BACKENDS)
+    result = pytester.runpytest_subprocess(
+        "--pyargs", "lmdock_conformance", f"--lmdock-backend={backend}", f"--lmdock-model={stories()}",
+        "-k", selection, "-rfEs", "-p", "no:cacheprovider",
+    )
+    failed = {line.split("::", 1)[1].split(" ", 1)[0] for line in result.stdout.lines if line.startswith("FAILED ")}
+    assert failed == must_fail, f"{backend}: expected exactly {sorted(must_fail)} to fail, got {sorted(failed)}\n" + result.stdout.str()[-3000:]

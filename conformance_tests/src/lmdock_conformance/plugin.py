@@ -61,8 +61,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         return
     spec = _spec(item.config)
     reason = spec.available()
-    if reason and spec.needs_hardware:
-        pytest.skip(f"backend {spec.name!r} needs {spec.needs_hardware}, which this machine lacks: {reason}")
+    if reason:
+        # Only missing hardware skips; a missing package (or anything else) is a failure.
+        if spec.needs_hardware and spec.has_hardware is not None and not spec.has_hardware():
+            pytest.skip(f"backend {spec.name!r} needs {spec.needs_hardware}, which this machine lacks: {reason}")
+        pytest.fail(f"backend {spec.name!r} is not available here: {reason}", pytrace=False)
     for mark in item.iter_markers("requires"):
         for capability in mark.args:
             ok, reason = spec.capability(capability)

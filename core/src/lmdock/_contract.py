@@ -74,10 +74,12 @@ class BackendSpec:
     #: "logprobs" (unquantized; the conformance suite's default is 1e-4) and each QuantConfig algo
     #: it honours.  lmdock-conformance holds the backend to these.
     tolerances: Mapping[str, float] = field(default_factory=dict)
-    #: Hardware the backend cannot run without ("an NVIDIA GPU", "Apple silicon"), or None.  Where
-    #: the availability probe fails on such a machine, the conformance suite skips with the reason
-    #: instead of failing; a missing package is never a skip.
+    #: Hardware the backend cannot run without ("an NVIDIA GPU", "Apple silicon"), or None.
     needs_hardware: str | None = None
+    #: Where ``needs_hardware`` is set: a cheap probe (no imports) that says whether this machine has
+    #: that hardware.  The conformance suite skips, with the reason, only where this returns False; a
+    #: backend that is unavailable for any other reason (a missing package) fails it.
+    has_hardware: Callable[[], bool] | None = None
     priority: int = 0
     description: str = ""
     plugin: str = ""  # filled in by the core: the registering plugin's name

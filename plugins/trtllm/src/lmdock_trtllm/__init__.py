@@ -67,7 +67,8 @@ SPEC = BackendSpec(
     available=_available,
     options=TrtllmOptions,
     tolerances={"logprobs": 2e-2},  # half-precision GPU kernels
-    needs_hardware="an NVIDIA GPU with TensorRT-LLM installed",
+    needs_hardware="an NVIDIA GPU",
+    has_hardware=_has_nvidia_gpu,
     priority=60,
     description="NVIDIA TensorRT-LLM (LLM API), GPUs only",
 )
