@@ -22,7 +22,7 @@ export HF_HUB_OFFLINE=1
 export LMDOCK_MODELS=${LMDOCK_MODELS:-$(cd "$ROOT/.." && pwd)/shared/models}
 export LMDOCK_API_CONTRACTS=${LMDOCK_API_CONTRACTS:-$(cd "$ROOT/.." && pwd)/shared/api-contracts}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-TEST_TOOLS="pytest>=8 jsonschema>=4"
+TEST_TOOLS="pytest>=8 jsonschema>=4 hypothesis>=6"
 REPORTS="$ENVS/reports"
 rm -rf "$REPORTS" && mkdir -p "$REPORTS"
 runs=0
