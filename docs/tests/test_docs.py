@@ -34,3 +34,21 @@ def test_every_hook_has_a_full_docstring() -> None:
 def test_hook_reference_is_up_to_date() -> None:
     current = (ROOT / "docs" / "hooks.md").read_text()
     assert current == _generator().render(), "docs/hooks.md is stale: run python scripts/gen_hook_docs.py"
+
+
+def test_the_authoring_guides_example_spec_passes_the_capability_check() -> None:
+    """The spec in docs/authoring-backends.md declares every capability, with a reason where lacking
+    (what lmdock-conformance's test_every_capability_is_declared_with_a_reason_when_lacking checks)."""
+    import re
+
+    from lmdock.backend import CAPABILITIES
+
+    text = (ROOT / "docs" / "authoring-backends.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "SPEC = BackendSpec(" in b)
+    namespace: dict = {}
+    exec(block, namespace)  # noqa: S102 - our own documentation
+    spec = namespace["SPEC"]
+    assert not set(spec.supports) - set(CAPABILITIES)
+    for cap in CAPABILITIES:
+        ok, reason = spec.capability(cap)
+        assert ok or (cap in spec.lacks and reason.strip()), f"the guide's example leaves {cap!r} undeclared"

@@ -8,6 +8,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import os
+import queue
 import time
 import weakref
 from collections import deque
@@ -15,7 +16,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from lmdock._contract import EngineRequest, RequestEngine
-from lmdock._errors import ConfigError, QueueFullError, RequestError
+from lmdock._errors import ConfigError, EngineClosedError, QueueFullError, RequestError
 from lmdock._loader import load_engine, resolve_model
 from lmdock._outputs import RequestOutput
 from lmdock._params import SamplingParams
@@ -277,7 +278,7 @@ class LLM:
         finished = False
         try:
             while True:
-                item = sink.queue.get()
+                item = self._next_item(sink)
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -287,6 +288,15 @@ class LLM:
         finally:
             if not finished:
                 self.engine.abort(request.request_id)
+
+    def _next_item(self, sink: QueueSink) -> Any:
+        """The next snapshot or error of a synchronous stream; never waits past the LLM's shutdown."""
+        while True:
+            try:
+                return sink.queue.get(timeout=0.5)
+            except queue.Empty:
+                if self._engine is None:
+                    raise EngineClosedError("the LLM was shut down while the stream was waiting") from None
 
     async def stream_generate(self, prompt: Prompt, sampling_params: ParamsArg = None) -> AsyncIterator[str]:
         """Yield text deltas of one request as they are generated (furiosa-llm's ``stream_generate``).
