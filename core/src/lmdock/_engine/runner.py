@@ -31,6 +31,7 @@ import numpy as np
 
 from lmdock._contract import EngineRequest, OutputSink, SeqChunk, StepEngine
 from lmdock._engine.beam import UNSUPPORTED_WITH_BEAMS, beam_choices
+from lmdock._engine.constraints import apply_masks
 from lmdock._engine.output import OutputProcessor
 from lmdock._engine.queries import Queries
 from lmdock._engine.sampler import LogitsProcessor, Sample, Sampler, log_softmax
@@ -61,6 +62,7 @@ class StepRunner:
         processors_for: Callable[[Any], Sequence[LogitsProcessor]] = lambda params: (),
         *,
         max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
+        constraints_for: Callable[[Any, int], Sequence[Any] | None] | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
@@ -71,6 +73,9 @@ class StepRunner:
         self.output = OutputProcessor(engine.tokenizer, engine.eos_token_ids, engine.max_seq_len)
         self.queries = Queries(engine, scheduler, self._new_seq_id, self._release)
         self._processors_for = processors_for
+        #: ``constraints_for(params, n)``: one structured-output constraint per completion, or None
+        #: (``lmdock._engine.constraints``); None here: requests with structured_output are refused
+        self._constraints_for = constraints_for
         self._max_failures = max_consecutive_failures
         self._failures = 0
         self._preemptions = 0
@@ -88,7 +93,8 @@ class StepRunner:
 
     def submit(self, request: EngineRequest, sink: OutputSink) -> None:
         processors = self._validate(request)
-        self._post("add", (request, sink, processors))
+        constraints = self._constraints(request)
+        self._post("add", (request, sink, processors, constraints))
 
     def abort(self, request_id: str) -> None:
         with self._cv:
@@ -196,6 +202,15 @@ class StepRunner:
                 )
         return processors
 
+    def _constraints(self, request: EngineRequest) -> Sequence[Any] | None:
+        """Compile the request's structured output (in the caller's thread): a bad schema fails here."""
+        so = request.params.structured_output
+        if so is None:
+            return None
+        if self._constraints_for is None:
+            raise RequestError("structured_output: this engine has no grammar engine; pip install llguidance")
+        return self._constraints_for(request.params, request.params.n)
+
     def _check_ids(self, ids: Sequence[int]) -> None:
         vocab = self.engine.vocab_size
         bad = next((t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)), None)
@@ -242,9 +257,9 @@ class StepRunner:
 
     def _take(self, kind: str, item: Any) -> None:
         if kind == "add":
-            request, sink, processors = item
+            request, sink, processors, constraints = item
             try:
-                self._add(request, sink, processors)
+                self._add(request, sink, processors, constraints)
             except Exception as exc:
                 safe_fail(sink, _as_request_error(exc, "adding the request"))
         elif kind == "abort":
@@ -268,8 +283,8 @@ class StepRunner:
         self._next_seq += 1
         return self._next_seq - 1
 
-    def _add(self, request: EngineRequest, sink: OutputSink, processors: Sequence[LogitsProcessor]) -> None:
-        req = Req(request, sink, processors)
+    def _add(self, request: EngineRequest, sink: OutputSink, processors: Sequence[LogitsProcessor], constraints: Sequence[Any] | None = None) -> None:
+        req = Req(request, sink, processors, constraints)
         for index in range(1 if req.beam is not None else request.params.n):
             req.seqs.append(Seq(self._new_seq_id(), req, index, self.engine))
         try:
@@ -403,7 +418,13 @@ class StepRunner:
         for seq, sample in zip(seqs, samples):
             if sample is None or not _live(seq):
                 continue
+            if seq.constraint is not None:
+                self._guard(seq, "structured output", seq.constraint.accept, sample.token)
+                if not _live(seq):
+                    continue
             self._guard(seq, "detokenizing and checking stops", self.output.append, seq, sample)
+            if seq.finish_reason is None and seq.constraint is not None and seq.constraint.is_complete():
+                seq.finish_reason = "stop"  # the grammar can take no more tokens
             if seq.finish_reason is not None:
                 self._release(seq)
             if seq.req is not None and not seq.req.done:
@@ -443,6 +464,11 @@ class StepRunner:
         # Rows with logits processors run plugin code that may raise after other rows have drawn:
         # their generators are saved first so a retry row by row draws the same numbers.
         saved = [(s.row, s.row.rng.bit_generator.state) for s in seqs if not s.row.params.greedy] if any(s.row.processors for s in seqs) else None
+        if any(s.constraint is not None for s in seqs):
+            try:
+                logits = apply_masks(logits, [s.constraint for s in seqs], self._fill_masks)
+            except Exception:  # one constraint's failure: find it row by row
+                logits = self._masks_row_by_row(logits, seqs)
         try:
             return list(self.sampler.sample(logits, [s.row for s in seqs]))
         except Exception:
@@ -456,6 +482,22 @@ class StepRunner:
                 self._fail(seq, _as_request_error(exc, "sampling"))
                 out.append(None)
         return out
+
+    #: A batched mask filler (``ConstraintBatch.fill``), set by whoever provides the constraints.
+    _fill_masks: Callable[..., None] | None = None
+
+    def _masks_row_by_row(self, logits: np.ndarray, seqs: list[Seq]) -> np.ndarray:
+        cons: list[Any] = []
+        for seq in seqs:
+            c = seq.constraint
+            if c is not None:
+                try:
+                    apply_masks(logits[:1], [c])
+                except Exception as exc:
+                    self._fail(seq, _as_request_error(exc, "structured output"))
+                    c = None
+            cons.append(c)
+        return apply_masks(logits, cons)
 
     def _guard(self, seq: Seq | QuerySeq, what: str, fn: Callable[..., Any], *args: Any) -> None:
         try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -53,6 +53,8 @@ class Seq:
         self.stops = StopStrings(params.stop, params.include_stop_str_in_output)
         self.text = ""
         self.beam_lp: np.ndarray | None = None  # beam search: this step's log-softmax, awaiting the others
+        #: structured output: this completion's own constraint (``lmdock._engine.constraints``), or None
+        self.constraint: Any = req.constraints[index] if req.constraints is not None else None
 
     def fork(self, seq_id: int) -> Seq:
         """A copy for another beam; KV state is the caller's business (``held`` starts False)."""
@@ -76,10 +78,13 @@ class Seq:
 class Req:
     """One request: its sink, its sequences, its beam search and its prompt logprobs."""
 
-    def __init__(self, request: EngineRequest, sink: OutputSink, processors: Sequence[LogitsProcessor]) -> None:
+    def __init__(
+        self, request: EngineRequest, sink: OutputSink, processors: Sequence[LogitsProcessor], constraints: Sequence[Any] | None = None
+    ) -> None:
         self.request = request
         self.sink = sink
         self.processors = processors
+        self.constraints = constraints
         self.seqs: list[Seq] = []
         self.done = False  # reported finished or failed: nothing more goes to the sink
         p = request.params
