@@ -383,8 +383,9 @@ class StepRunner:
         if not plan:
             return
         # 3. one engine step
-        chunks = [self._chunk(seq, n) for seq, n in plan]
-        for seq, _ in plan:
+        chunks = []
+        for seq, n in plan:
+            chunks.append(self._chunk(seq, n))
             seq.held = True  # the engine may take KV state for it from here on, even if the step fails
         out = self._engine_step(plan, chunks)
         if out is None:
@@ -399,36 +400,41 @@ class StepRunner:
             seq.num_computed += n
             if seq.num_computed != len(seq.token_ids):
                 continue
-            if isinstance(seq, QuerySeq):
+            if seq.req is None:
                 self._guard(seq, "finishing the query", self.queries.finish, seq, out.last[i])
             else:
                 ready.append(i)
         # 5. beam search
-        beams = [i for i in ready if plan[i][0].req.beam is not None]
-        if beams:
+        if any(plan[i][0].req.beam is not None for i in ready):
+            beams = [i for i in ready if plan[i][0].req.beam is not None]
             self._beam_steps([plan[i][0] for i in beams], out.last[beams])
             ready = [i for i in ready if plan[i][0].req.beam is None]
         if not ready:
             return
-        # 6. sample
+        # 6. sample (a whole-batch step needs no gather)
         seqs = [plan[i][0] for i in ready]
-        samples = self._sample(out.last[ready], seqs)
+        samples = self._sample(out.last if len(ready) == len(plan) else out.last[ready], seqs)
         # 7. append, detokenize, stop
         touched: dict[int, Req] = {}
+        append = self.output.append
         for seq, sample in zip(seqs, samples):
-            if sample is None or not _live(seq):
+            req = seq.req
+            if sample is None or req.done or seq.finish_reason is not None:
                 continue
-            if seq.constraint is not None:
-                self._guard(seq, "structured output", seq.constraint.accept, sample.token)
-                if not _live(seq):
-                    continue
-            self._guard(seq, "detokenizing and checking stops", self.output.append, seq, sample)
-            if seq.finish_reason is None and seq.constraint is not None and seq.constraint.is_complete():
-                seq.finish_reason = "stop"  # the grammar can take no more tokens
+            try:
+                if seq.constraint is not None:
+                    seq.constraint.accept(sample.token)
+                append(seq, sample)
+                if seq.finish_reason is None and seq.constraint is not None and seq.constraint.is_complete():
+                    seq.finish_reason = "stop"  # the grammar can take no more tokens
+            except Exception as exc:
+                self._fail(seq, _as_request_error(exc, "structured output" if seq.constraint is not None else "detokenizing and checking stops"))
+                continue
             if seq.finish_reason is not None:
                 self._release(seq)
-            if seq.req is not None and not seq.req.done:
-                touched[id(seq.req)] = seq.req
+                touched[id(req)] = req
+            elif req.request.stream:
+                touched[id(req)] = req
         # 8. report
         for req in touched.values():
             if req.finished:

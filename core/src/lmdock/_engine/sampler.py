@@ -13,8 +13,11 @@ Pipeline, per row (the order is part of the contract; every backend's native sam
 8. one draw from the request's own generator, seeded from ``(seed, completion index)``, so a
    request's samples never depend on what else is in the batch.
 
-Rows that are plain greedy (no penalties, no processors, nothing to mask) skip 2-8 and share one
-vectorised argmax.
+The work is batch-wide, as vLLM's sampler does it: the path is chosen once per step from batch-wide
+flags.  Rows that are plain greedy (no penalties, no processors, nothing to mask, no logprobs) share one
+argmax; the other rows get penalties from token counts kept incrementally, then temperature, min_p,
+top_k, top_p and the draw as NumPy operations over all of them at once.  Per-row Python remains only
+for plugins' logits processors and the logprob entries a row asked for.
 """
 
 from __future__ import annotations
@@ -42,9 +45,40 @@ class SampleRow:
     eos_token_ids: tuple[int, ...] = ()
     processors: Sequence[LogitsProcessor] = ()
 
+    def __post_init__(self) -> None:
+        p = self.params
+        self.penalized = p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+        #: greedy with nothing that could change the argmax (min_new_tokens aside, checked per step)
+        self.plain = p.greedy and not self.penalized and not self.processors
+        self._counts: np.ndarray | None = None
+        self._counted = 0
+        self._seen: np.ndarray | None = None
+
     @property
     def num_output(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+    def counts(self, vocab: int) -> np.ndarray:
+        """How often each token occurs in the output (kept up to date incrementally)."""
+        if self._counts is None or self._counts.shape[0] != vocab:
+            self._counts = np.zeros(vocab, dtype=np.int64)
+            self._counted = self.prompt_len
+        new = self.token_ids[self._counted :]
+        if new:
+            np.add.at(self._counts, np.asarray(new, dtype=np.int64), 1)
+            if self._seen is not None:
+                self._seen[np.asarray(new, dtype=np.int64)] = True
+            self._counted = len(self.token_ids)
+        return self._counts
+
+    def seen(self, vocab: int) -> np.ndarray:
+        """Tokens that occur in the prompt or the output (for the repetition penalty)."""
+        counts = self.counts(vocab)
+        if self._seen is None or self._seen.shape[0] != vocab:
+            self._seen = np.zeros(vocab, dtype=bool)
+            self._seen[np.asarray(self.token_ids[: self.prompt_len], dtype=np.int64)] = True
+            self._seen |= counts > 0
+        return self._seen
 
 
 @dataclass
@@ -130,34 +164,99 @@ class ReferenceSampler:
         if n == 0:
             return []
         want_lp = [r.params.logprobs is not None for r in rows]
-        raw_lp = log_softmax(logits) if any(want_lp) else None
-        fast = [r.params.greedy and not _needs_processing(r) for r in rows]
-        tokens = np.empty(n, dtype=np.int64)
+        fast = [r.plain and r.num_output >= r.params.min_new_tokens for r in rows]
         if all(fast):
-            tokens[:] = logits.argmax(axis=-1)
+            tokens = logits.argmax(axis=-1).tolist()
         else:
-            for i, row in enumerate(rows):
-                tokens[i] = int(logits[i].argmax()) if fast[i] else self._sample_row(logits[i], row)
+            tokens = [0] * n
+            plain = [i for i in range(n) if fast[i]]
+            rest = [i for i in range(n) if not fast[i]]
+            if plain:
+                for i, t in zip(plain, logits[plain].argmax(axis=-1).tolist()):
+                    tokens[i] = t
+            for i, t in zip(rest, self._sample_rows(logits[rest], [rows[i] for i in rest])):
+                tokens[i] = t
+        if not any(want_lp):
+            return [Sample(t) for t in tokens]
+        raw_lp = log_softmax(logits[[i for i in range(n) if want_lp[i]]])
         out = []
+        j = 0
         for i, row in enumerate(rows):
-            tok = int(tokens[i])
-            if raw_lp is None or not want_lp[i]:
-                out.append(Sample(tok))
+            if not want_lp[i]:
+                out.append(Sample(tokens[i]))
                 continue
-            out.append(_with_logprobs(tok, raw_lp[i], row.params.logprobs or 0))
+            out.append(_with_logprobs(tokens[i], raw_lp[j], row.params.logprobs or 0))
+            j += 1
         return out
 
-    def _sample_row(self, row_logits: np.ndarray, row: SampleRow) -> int:
-        x = np.array(row_logits, dtype=np.float32, copy=True)
-        apply_penalties(x, row)
-        for proc in row.processors:
-            x = proc(row.token_ids, x)
-        mask_min_tokens(x, row)
-        if row.params.greedy:
-            return int(x.argmax())
-        probs = distribution(x, row.params)
-        cdf = np.cumsum(probs)
-        return int(min(np.searchsorted(cdf, row.rng.random() * cdf[-1], side="right"), len(cdf) - 1))
+    def _sample_rows(self, logits: np.ndarray, rows: list[SampleRow]) -> list[int]:
+        """Steps 2-8 for rows that need them, vectorised over the rows."""
+        x = np.array(logits, dtype=np.float32, copy=True)
+        vocab = x.shape[1]
+        pen = [j for j, r in enumerate(rows) if r.penalized]
+        if pen:
+            x[pen] = _penalties([rows[j] for j in pen], x[pen], vocab)
+        for j, row in enumerate(rows):
+            for proc in row.processors:
+                x[j] = proc(row.token_ids, x[j])
+            if row.num_output < row.params.min_new_tokens:
+                mask_min_tokens(x[j], row)
+        tokens = x.argmax(axis=-1)
+        sampled = [j for j, r in enumerate(rows) if not r.params.greedy]
+        if sampled:
+            probs = distributions(x[sampled], [rows[j].params for j in sampled])
+            cdf = np.cumsum(probs, axis=-1)
+            u = np.array([rows[j].rng.random() for j in sampled]) * cdf[:, -1]
+            drawn = np.minimum((cdf <= u[:, None]).sum(axis=-1), vocab - 1)  # searchsorted(side="right")
+            tokens[sampled] = drawn
+        return tokens.tolist()
+
+
+def _penalties(rows: list[SampleRow], x: np.ndarray, vocab: int) -> np.ndarray:
+    """Step 2 for several rows at once, from incrementally kept counts: each row as ``apply_penalties``
+    computes it (float32 for the repetition penalty, float64 for frequency and presence)."""
+    rep = np.array([r.params.repetition_penalty for r in rows], dtype=np.float32)
+    if (rep != 1.0).any():
+        seen = np.stack([r.seen(vocab) if rep[j] != 1.0 else np.zeros(vocab, dtype=bool) for j, r in enumerate(rows)])
+        r = rep[:, None]
+        x = np.where(seen, np.where(x > 0, x / r, x * r), x)
+    freq = np.array([r.params.frequency_penalty for r in rows])
+    pres = np.array([r.params.presence_penalty for r in rows])
+    if freq.any() or pres.any():
+        counts = np.stack([r.counts(vocab) for r in rows])
+        x = x.astype(np.float64, copy=False)
+        x = (x - (freq[:, None] * counts + pres[:, None] * (counts > 0))).astype(np.float32)
+    return x
+
+
+def distributions(logits: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarray:
+    """Steps 5-7 for several rows at once: each row's :func:`distribution`."""
+    temps = np.array([p.temperature for p in params], dtype=np.float64)[:, None]
+    x = logits.astype(np.float64) / temps
+    x -= x.max(axis=-1, keepdims=True)
+    probs = np.exp(x)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    min_p = np.array([p.min_p for p in params])
+    if (min_p > 0).any():
+        probs[probs < (min_p[:, None] * probs.max(axis=-1, keepdims=True))] = 0.0
+    top_k = [p.top_k for p in params]
+    top_p = np.array([p.top_p for p in params])
+    vocab = probs.shape[-1]
+    limited = [j for j, k in enumerate(top_k) if 0 < k < vocab]
+    if limited:
+        order = np.argsort(-probs[limited], axis=-1, kind="stable")
+        for i, j in enumerate(limited):
+            probs[j, order[i, top_k[j] :]] = 0.0
+    if (top_p < 1.0).any():
+        rows = np.nonzero(top_p < 1.0)[0]
+        sub = probs[rows]
+        order = np.argsort(-sub, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(sub, order, axis=-1)
+        sorted_p /= sorted_p.sum(axis=-1, keepdims=True)
+        before = np.cumsum(sorted_p, axis=-1) - sorted_p  # mass of strictly more likely tokens
+        np.put_along_axis(sub, order, np.where(before >= top_p[rows, None], 0.0, np.take_along_axis(sub, order, axis=-1)), axis=-1)
+        probs[rows] = sub
+    return probs / probs.sum(axis=-1, keepdims=True)
 
 
 def _with_logprobs(token: int, lp: np.ndarray, k: int) -> Sample:

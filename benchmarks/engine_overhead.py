@@ -1,0 +1,149 @@
+"""The step-engine loop's host time per decode step, on a zero-compute engine.
+
+The engine returns the same fixed logits row for every sequence (a FAKE engine: it measures lmdock's
+loop, not a model), so everything timed is lmdock's own work: scheduling, sampling, stop checks,
+detokenization, output delivery.  Batch 1, 8, 64 and 256; greedy, and top-p with penalties.  Each
+request asks for TOKENS tokens with EOS ignored, all submitted at once, so every step after the first
+few decodes the whole batch.
+
+Prints microseconds per step and per sequence per step (the fit of per-step time = a + b * batch), as
+wall time and as the CPU time of the loop's thread (what a busy machine does not inflate).  "greedy,
+token ids" skips detokenization (``detokenize=False``); "greedy" includes incremental detokenization
+with a cheap pure-Python tokenizer (two decodes of a short window per token, as vLLM does).
+Targets (issue: the loop at engine speed): a <= 30 us, b <= 3 us, greedy.
+Run: ``python benchmarks/engine_overhead.py [--tokens 128] [--repeat 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+
+class CharTokenizer:
+    """A tokenizer of 512 single-character pieces (cheap, so the numbers are the loop's own)."""
+
+    bos_token_id, eos_token_id, chat_template = 1, 2, None
+    pieces = ["<unk>", "<s>", "</s>"] + [chr(0x41 + i) for i in range(509)]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([1] if add_special_tokens else []) + [3 + (ord(c) % 509) for c in text]
+
+    def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
+        return "".join(self.pieces[t] for t in ids if not (skip_special_tokens and t < 3))
+
+
+class ZeroComputeEngine:
+    """A FAKE step engine: fixed logits, no KV state beyond a set of live ids."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        self.tokenizer = CharTokenizer()
+        self.vocab_size = 512
+        self.max_seq_len = 4096
+        self.eos_token_ids = (2,)
+        self.generation_config: dict[str, Any] = {}
+        self.kv_capacity_tokens = None
+        rng = np.random.default_rng(0)
+        self.row = rng.normal(0, 2, self.vocab_size).astype(np.float32)
+        self.rows = np.tile(self.row, (1024, 1))
+        self.live: set[int] = set()
+
+    def step(self, chunks: Any) -> Any:
+        from lmdock.backend import StepOutput
+
+        for c in chunks:
+            self.live.add(c.seq_id)
+        return StepOutput(self.rows[: len(chunks)], {c.seq_id: self.rows[: len(c.token_ids)] for c in chunks if c.all_logits})
+
+    def release(self, seq_id: int) -> None:
+        self.live.discard(seq_id)
+
+    def fork(self, src: int, dst: int, length: int) -> bool:
+        self.live.add(dst)
+        return True
+
+    def num_sequences(self) -> int:
+        return len(self.live)
+
+    def close(self) -> None:
+        pass
+
+
+def measure(batch: int, tokens: int, params: Any) -> tuple[float, float]:
+    """Seconds per decode step for ``batch`` concurrent requests of ``tokens`` tokens each: wall time,
+    and the CPU time of the loop's thread (which a busy machine does not inflate)."""
+    from lmdock._engine.runner import StepRunner
+    from lmdock._engine.sampler import ReferenceSampler
+    from lmdock._engine.scheduler import FcfsScheduler
+    from lmdock._params import SchedulerConfig
+    from lmdock._sinks import RequestFuture
+    from lmdock.backend import EngineRequest
+
+    engine = ZeroComputeEngine()
+    cpu: list[float] = []
+    loop = StepRunner._loop
+
+    def timed_loop(self: Any) -> None:
+        t0 = time.thread_time()
+        try:
+            loop(self)
+        finally:
+            cpu.append(time.thread_time() - t0)
+
+    StepRunner._loop = timed_loop  # type: ignore[method-assign]
+    runner = StepRunner(engine, FcfsScheduler(SchedulerConfig(max_num_seqs=max(batch, 1)), 4096, None), ReferenceSampler())
+    try:
+        prompt = [1] + [3 + (i % 500) for i in range(15)]
+        futures = []
+        start = time.perf_counter()
+        for i in range(batch):
+            fut = RequestFuture(f"r{i}", runner.abort)
+            runner.submit(EngineRequest(f"r{i}", None, prompt, params.replace(seed=i)), fut)
+            futures.append(fut)
+        for fut in futures:
+            fut.result()
+        elapsed = time.perf_counter() - start
+    finally:
+        runner.close()
+        StepRunner._loop = loop  # type: ignore[method-assign]
+    return elapsed / tokens, cpu[0] / tokens  # one prefill step, then decode steps: per generated token
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--batches", default="1,8,64,256")
+    args = ap.parse_args()
+
+    from lmdock import SamplingParams
+
+    settings = {
+        "greedy, token ids": SamplingParams(temperature=0, max_new_tokens=args.tokens, ignore_eos=True, detokenize=False),
+        "greedy": SamplingParams(temperature=0, max_new_tokens=args.tokens, ignore_eos=True),
+        "top-p + penalties": SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1, presence_penalty=0.2,
+                                            max_new_tokens=args.tokens, ignore_eos=True),
+    }
+    batches = [int(b) for b in args.batches.split(",")]
+    print(f"zero-compute step engine, {args.tokens} tokens per request, best of {args.repeat}")
+    print(f"{'sampling':<20} {'batch':>6} {'wall us/step':>13} {'loop CPU us/step':>17} {'CPU us/seq/step':>16}")
+    for name, params in settings.items():
+        points = []
+        for b in batches:
+            runs = [measure(b, args.tokens, params) for _ in range(args.repeat)]
+            wall, cpu = min(r[0] for r in runs), min(r[1] for r in runs)
+            points.append((b, cpu * 1e6))
+            print(f"{name:<20} {b:>6} {wall * 1e6:>13.1f} {cpu * 1e6:>17.1f} {cpu * 1e6 / b:>16.2f}")
+        # least-squares fit of per-step time = a + b * batch
+        n = len(points)
+        mx = sum(p[0] for p in points) / n
+        my = sum(p[1] for p in points) / n
+        slope = sum((x - mx) * (y - my) for x, y in points) / max(1e-9, sum((x - mx) ** 2 for x, _ in points))
+        print(f"{name:<20} fit (loop CPU): {my - slope * mx:.1f} us per step + {slope:.2f} us per sequence per step")
+
+
+if __name__ == "__main__":
+    main()
