@@ -232,7 +232,6 @@ class _StreamPrinter:
         self.sent: dict[tuple[int, int], int] = {}
         self.finished: set[tuple[int, int]] = set()
         self.current: tuple[int, int] | None = None
-        self.text: dict[tuple[int, int], str] = {}
 
     def snapshot(self, prompt: int, out: Any) -> None:
         for comp in out.outputs:
@@ -243,7 +242,6 @@ class _StreamPrinter:
             if not delta and not done:
                 continue
             self.sent[key] = len(comp.text)
-            self.text[key] = comp.text
             if done:
                 self.finished.add(key)
             if self.as_json:
