@@ -105,6 +105,18 @@ def test_chat_stream_and_json(fake: object, tmp_path: Path, capsys: pytest.Captu
     assert capsys.readouterr().out == text + "\n"
     assert main([*chat, "--stream", "--json", "ab"]) == 0
     assert "".join(json.loads(line)["text"] for line in capsys.readouterr().out.splitlines()) == text
+    assert main([*chat, "-n", "3", "--temperature", "1", "--seed", "2", "ab"]) == 0
+    out = capsys.readouterr().out
+    assert [f"=== completion {i} ===" in out for i in range(3)] == [True] * 3
+
+
+def test_batch_progress_shows_tokens_per_second_and_eta(capsys: pytest.CaptureFixture[str]) -> None:
+    from lmdock._batch import _Progress
+
+    bar = _Progress(4, enabled=True)
+    bar.update(10)
+    err = capsys.readouterr().err
+    assert "1/4" in err and "tok/s" in err and "ETA " in err
 
 
 def test_unknown_model_name_lists_the_config_models(isolated: Path, capsys: pytest.CaptureFixture[str]) -> None:
