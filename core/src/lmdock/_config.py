@@ -27,12 +27,7 @@ from lmdock._params import (
     SamplingParams,
     SchedulerConfig,
 )
-from lmdock._schema import build, coerce, json_schema
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from lmdock._schema import build, coerce, json_schema, unknown_key
 
 _VAR = re.compile(r"\$\{env\.([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
@@ -85,6 +80,10 @@ def find_config(explicit: str | os.PathLike[str] | None = None) -> Path | None:
 
 def load_config(path: str | os.PathLike[str]) -> ConfigFile:
     """Read and validate a config file; every error names the file and the key path."""
+    if sys.version_info >= (3, 11):  # imported here: `import lmdock` stays fast
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
     path = Path(path)
     source = str(path)
     try:
@@ -96,7 +95,7 @@ def load_config(path: str | os.PathLike[str]) -> ConfigFile:
     raw = _substitute(raw, source, "")
     unknown = sorted(set(raw) - {"models", "default_model"})
     if unknown:
-        raise ConfigError(f"unknown key {unknown[0]!r}; allowed keys: default_model, models", source=source, key=unknown[0])
+        raise ConfigError(unknown_key(unknown[0], ("default_model", "models")), source=source, key=unknown[0])
     models = coerce(raw.get("models", {}), dict[str, Any], "models", source)
     cfg = ConfigFile(source, default_model=coerce(raw.get("default_model"), str | None, "default_model", source))
     for name, entry in models.items():
@@ -124,8 +123,7 @@ def model_config(
 
     unknown = sorted(set(entry) - _MODEL_KEYS - set(SECTIONS))
     if unknown:
-        allowed = ", ".join(sorted(_MODEL_KEYS | set(SECTIONS)))
-        raise ConfigError(f"unknown key {unknown[0]!r}; allowed keys: {allowed}", source=source, key=key(unknown[0]))
+        raise ConfigError(unknown_key(unknown[0], _MODEL_KEYS | set(SECTIONS)), source=source, key=key(unknown[0]))
     if "model" not in entry:
         raise ConfigError("missing required key 'model' (a local path or a hub id)", source=source, key=key("model"))
     kwargs: dict[str, Any] = {"name": name, "source": source}

@@ -271,7 +271,9 @@ class LLM:
         return self._submit(self._request(prompt, self._params(sampling_params)))
 
     def stream(self, prompt: Prompt, sampling_params: ParamsArg = None) -> Iterator[RequestOutput]:
-        """Yield cumulative snapshots of one request as it runs (synchronous); the last is finished."""
+        """Yield cumulative snapshots of one request as it runs (synchronous); the last is finished.
+
+        With ``n > 1`` each snapshot holds every completion (``out.outputs[i]``, by ``index``)."""
         request = self._request(prompt, self._params(sampling_params), stream=True)
         sink = QueueSink()
         self.engine.submit(request, sink)
@@ -302,9 +304,14 @@ class LLM:
         """Yield text deltas of one request as they are generated (furiosa-llm's ``stream_generate``).
 
         The deltas join to exactly the text ``generate`` returns.  Closing the generator (or
-        cancelling the task) aborts the request and frees its state at once.
+        cancelling the task) aborts the request and frees its state at once.  It streams one
+        completion: for ``n > 1`` use :meth:`stream`, whose snapshots hold every completion.
         """
-        request = self._request(prompt, self._params(sampling_params), stream=True)
+        params = self._params(sampling_params)
+        if params.n > 1:
+            raise RequestError(f"stream_generate yields the text of one completion, and n={params.n} asks for more: "
+                               "use LLM.stream(prompt, params), whose snapshots hold every completion (outputs[i])")
+        request = self._request(prompt, params, stream=True)
         sink = AsyncQueueSink(asyncio.get_running_loop())
         self.engine.submit(request, sink)
         sent = 0

@@ -29,7 +29,25 @@ def resolve_model(model: str | os.PathLike[str] | None, config: str | os.PathLik
         return _overlay(cfg.model(name), options)
     if name is None:
         raise ConfigError("no model given and no config file found (looked for --config, $LMDOCK_CONFIG, ./lmdock.toml, ~/.config/lmdock/lmdock.toml)")
+    _check_not_a_typo(name, cfg)
     return model_config({"model": name, **options}, source="<options>", base_dir=Path.cwd())
+
+
+def _check_not_a_typo(name: str, cfg: ConfigFile | None) -> None:
+    """A name in neither the config file nor on disk must not go to the hub as a guess: a bare word
+    with a config file around is a config name the user mistyped (hub ids are ``org/name``)."""
+    if Path(name).expanduser().exists():
+        return
+    if cfg is not None and "/" not in name:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(cfg.models), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(
+            f"no model named {name!r} in the config file, and no such path; {hint}models in the config: "
+            f"{', '.join(cfg.models) or 'none'}. Give one of them, a local path, or a hub id (org/name)",
+            source=cfg.path,
+        )
 
 
 def _overlay(base: ModelConfig, options: dict[str, Any]) -> ModelConfig:

@@ -9,6 +9,7 @@ refuse with a reason.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -135,6 +136,50 @@ class SamplingParams(_Replaceable):
     def greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature 0 or top_k 1)."""
         return self.temperature == 0.0 or self.top_k == 1
+
+
+#: Other tools' names for SamplingParams fields (vLLM, OpenAI, transformers), accepted as those fields
+#: by ``SamplingParams(...)``, config files and call dicts.  vLLM's ``best_of`` is the beam width only
+#: with ``use_beam_search=True``; alone it (best-of-n sampling) is refused with what to use instead.
+SamplingParams.ALIASES = {  # type: ignore[attr-defined]
+    "max_tokens": "max_new_tokens",
+    "max_completion_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "num_beams": "beam_width",
+    "num_return_sequences": "n",
+    "stop_sequences": "stop",
+}
+_sampling_init = SamplingParams.__init__
+
+
+def _sampling_params_init(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
+    if kwargs.pop("use_beam_search", False):
+        if "best_of" in kwargs:
+            kwargs.setdefault("beam_width", kwargs.pop("best_of"))
+        kwargs.setdefault("temperature", 0.0)
+    elif "best_of" in kwargs:
+        raise TypeError("SamplingParams has no best_of (best-of-n sampling): for beam search pass beam_width=N; "
+                        "for several samples pass n=N")
+    for alias, name in SamplingParams.ALIASES.items():  # type: ignore[attr-defined]
+        if alias in kwargs:
+            value = kwargs.pop(alias)
+            if name in kwargs and kwargs[name] != value:
+                raise TypeError(f"SamplingParams: {alias!r} is another name for {name!r}; give one of them")
+            kwargs[name] = value
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    for key in kwargs:
+        if key not in names:
+            import difflib
+
+            close = difflib.get_close_matches(key, sorted(names), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; its fields: {', '.join(sorted(names))}"
+            raise TypeError(f"SamplingParams got an unexpected keyword argument {key!r}{hint}")
+    _sampling_init(self, *args, **kwargs)
+
+
+_sampling_params_init.__doc__ = _sampling_init.__doc__
+_sampling_params_init.__signature__ = inspect.signature(_sampling_init)  # type: ignore[attr-defined]
+SamplingParams.__init__ = _sampling_params_init  # type: ignore[method-assign]
 
 
 @dataclass(frozen=True)

@@ -134,8 +134,33 @@ def unknown_backend_message(name: str, registry: Registry) -> str:
     if os.environ.get("LMDOCK_DISABLE_PLUGIN_AUTOLOAD", "") not in ("", "0"):
         msg += " (Plugin autoloading is off: LMDOCK_DISABLE_PLUGIN_AUTOLOAD is set.)"
     elif _allow_list() is not None:
-        msg += f" (Only plugins in LMDOCK_PLUGINS={os.environ['LMDOCK_PLUGINS']} are loaded.)"
+        msg += f" (Only plugins in LMDOCK_PLUGINS={os.environ['LMDOCK_PLUGINS']} are loaded"
+        msg += f"; installed plugins: {', '.join(installed_plugin_names()) or 'none'}.)"
     return msg
+
+
+def installed_plugin_names() -> list[str]:
+    """The names of every installed ``lmdock`` entry point, loaded or not."""
+    return sorted({ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)})
+
+
+def plugin_filter_note() -> str | None:
+    """Why installed plugins were not loaded (LMDOCK_PLUGINS / LMDOCK_DISABLE_PLUGIN_AUTOLOAD), or None."""
+    installed = installed_plugin_names()
+    if os.environ.get("LMDOCK_DISABLE_PLUGIN_AUTOLOAD", "") not in ("", "0"):
+        if not installed:
+            return None
+        return (f"LMDOCK_DISABLE_PLUGIN_AUTOLOAD is set, so the installed plugins ({', '.join(installed)}) "
+                "were not loaded; unset it to use them")
+    allow = _allow_list()
+    if allow is None:
+        return None
+    missing = sorted(allow - set(installed))
+    if not missing:
+        return None
+    return (f"LMDOCK_PLUGINS={os.environ['LMDOCK_PLUGINS']} names {', '.join(repr(m) for m in missing)}, which "
+            f"{'is' if len(missing) == 1 else 'are'} not installed; installed plugins: {', '.join(installed) or 'none'}. "
+            "LMDOCK_PLUGINS is a comma-separated list of plugin names to load; unset it to load them all")
 
 
 def _check_api(spec: BackendSpec, plugin: str) -> None:

@@ -105,17 +105,38 @@ def _wrong_type(value: Any, hint: Any, path: str, source: str | None) -> ConfigE
     )
 
 
+def unknown_key(key: str, allowed: Any, aliases: dict[str, str] | None = None) -> str:
+    """"unknown key 'x'; did you mean 'y'?" (another tool's spelling, or a close match), else the list."""
+    allowed = sorted(allowed)
+    if aliases and key in aliases:
+        return f"unknown key {key!r}; did you mean {aliases[key]!r}? ({key!r} is another tool's name for it)"
+    import difflib
+
+    close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+    if close:
+        return f"unknown key {key!r}; did you mean {close[0]!r}? (allowed keys: {', '.join(allowed)})"
+    return f"unknown key {key!r}; allowed keys: {', '.join(allowed)}"
+
+
 def build(cls: type[T], data: dict[str, Any], *, source: str | None = None, prefix: str = "") -> T:
-    """Construct dataclass ``cls`` from ``data``, rejecting unknown keys and wrong types."""
+    """Construct dataclass ``cls`` from ``data``, rejecting unknown keys and wrong types.
+
+    A key in the class's ``ALIASES`` (``SamplingParams``: vLLM's and OpenAI's ``max_tokens``...) is
+    read as the field it names."""
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    aliases: dict[str, str] = getattr(cls, "ALIASES", {})
+    if any(k in aliases for k in data):
+        data = dict(data)
+        for alias, name in aliases.items():
+            if alias in data:
+                if name in data and data[name] != data[alias]:
+                    key = f"{prefix}.{alias}" if prefix else alias
+                    raise ConfigError(f"{alias!r} is another name for {name!r}: give one of them", source=source, key=key)
+                data[name] = data.pop(alias)
     unknown = sorted(set(data) - set(fields))
     if unknown:
         key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-        raise ConfigError(
-            f"unknown key {unknown[0]!r}; allowed keys: {', '.join(sorted(fields))}",
-            source=source,
-            key=key,
-        )
+        raise ConfigError(unknown_key(unknown[0], fields), source=source, key=key)
     kwargs = {}
     for name, value in data.items():
         path = f"{prefix}.{name}" if prefix else name
