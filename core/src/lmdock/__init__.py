@@ -19,12 +19,21 @@ from lmdock._errors import (
 )
 from lmdock._hooks import hookimpl
 from lmdock._llm import LLM
-from lmdock._outputs import CompletionOutput, Logprob, RequestOutput
+from lmdock._outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from lmdock._params import (
     BuildConfig,
     KvCacheConfig,
     ModelConfig,
     OffloadPolicy,
+    PoolingParams,
     QuantConfig,
     SamplingParams,
     SchedulerConfig,
@@ -44,6 +53,8 @@ __all__ = [
     "CompletionOutput",
     "ConfigError",
     "ConfigFile",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "EngineClosedError",
     "KvCacheConfig",
     "LLM",
@@ -52,6 +63,7 @@ __all__ = [
     "ModelConfig",
     "OffloadPolicy",
     "PluginError",
+    "PoolingParams",
     "QuantConfig",
     "QueueFullError",
     "RequestError",
@@ -59,6 +71,8 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SchedulerConfig",
+    "ScoringOutput",
+    "ScoringRequestOutput",
     "StructuredOutput",
     "Tokenizer",
     "UnsupportedError",
