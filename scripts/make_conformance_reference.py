@@ -93,7 +93,7 @@ def embeddings(minilm: str) -> None:
     st = SentenceTransformer(minilm, device="cpu")
     emb = st.encode(TEXTS, convert_to_numpy=True)
     raw = SentenceTransformer(modules=[st[0], st[1]], device="cpu").encode(TEXTS[:6])
-    cls = SentenceTransformer(modules=[st[0], models.Pooling(st[1].word_embedding_dimension, pooling_mode="cls")], device="cpu").encode(TEXTS[:6])
+    cls = SentenceTransformer(modules=[st[0], models.Pooling(st.get_sentence_embedding_dimension(), pooling_mode="cls")], device="cpu").encode(TEXTS[:6])
     ids = [st.tokenizer(t, truncation=True, max_length=st.max_seq_length)["input_ids"] for t in TEXTS]
     q, d = st.encode([QUERY]), st.encode(DOCS)
     ce_folder = cross_encoder(minilm)
