@@ -417,16 +417,15 @@ class LLM:
     def _pooling_params(self, engine: Any, params: PoolingArg) -> PoolingParams:
         model = PoolingParams(normalize=engine.normalize, pooling_type=engine.pooling_type)
         defaults = self.model_config.pooling.over(model)
-        if params is None:
-            return defaults
         if isinstance(params, dict):
             params = build(PoolingParams, params, source="<call>", prefix="pooling_params")
-        if not isinstance(params, PoolingParams):
+        if params is not None and not isinstance(params, PoolingParams):
             raise TypeError(f"pooling_params must be PoolingParams, a dict or None, not {type(params).__name__}")
-        if params.dimensions is not None and params.dimensions > engine.hidden_size:
-            raise RequestError(f"dimensions={params.dimensions}: the model's embeddings have {engine.hidden_size}; "
+        merged = defaults if params is None else params.over(defaults)
+        if merged.dimensions is not None and merged.dimensions > engine.hidden_size:
+            raise RequestError(f"dimensions={merged.dimensions}: the model's embeddings have {engine.hidden_size}; "
                                f"ask for at most {engine.hidden_size}")
-        return params.over(defaults)
+        return merged
 
     def _pooling_input(self, engine: Any, prompt: Prompt, pair: str | None, truncate: int | None) -> PoolingInput:
         limit = engine.max_seq_len
