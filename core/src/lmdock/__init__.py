@@ -18,12 +18,21 @@ from lmdock._errors import (
     RequestError,
     UnsupportedError,
 )
-from lmdock._outputs import CompletionOutput, Logprob, RequestOutput
+from lmdock._outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from lmdock._params import (
     BuildConfig,
     KvCacheConfig,
     ModelConfig,
     OffloadPolicy,
+    PoolingParams,
     QuantConfig,
     SamplingParams,
     SchedulerConfig,
@@ -66,6 +75,8 @@ __all__ = [
     "CompletionOutput",
     "ConfigError",
     "ConfigFile",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "EngineClosedError",
     "KvCacheConfig",
     "LLM",
@@ -74,6 +85,7 @@ __all__ = [
     "ModelConfig",
     "OffloadPolicy",
     "PluginError",
+    "PoolingParams",
     "QuantConfig",
     "QueueFullError",
     "RequestError",
@@ -81,6 +93,8 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SchedulerConfig",
+    "ScoringOutput",
+    "ScoringRequestOutput",
     "StructuredOutput",
     "Tokenizer",
     "UnsupportedError",

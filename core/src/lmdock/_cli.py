@@ -102,6 +102,13 @@ def _parser() -> argparse.ArgumentParser:
     _model_args(bt)
     bt.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal)")
     bt.set_defaults(func=cmd_batch)
+    e = sub.add_parser("embed", help="print embeddings of texts as JSON (an embedding model)")
+    _model_args(e)
+    e.add_argument("texts", nargs="+", metavar="TEXT")
+    e.add_argument("--dimensions", type=int, help="keep the first N values (Matryoshka), then normalize")
+    e.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None, help="unit-length vectors (default: the model's)")
+    e.add_argument("--truncate", type=int, metavar="N", help="cut longer texts to N tokens (-1: the model's maximum)")
+    e.set_defaults(func=cmd_embed)
 
     cfg = sub.add_parser("config", help="check the config file or print its JSON Schema")
     csub = cfg.add_subparsers(metavar="ACTION")
@@ -287,6 +294,18 @@ def _has_chat_template(folder: Path) -> bool | None:
         return bool(json.loads(config.read_text(encoding="utf-8")).get("chat_template"))
     except (OSError, ValueError):
         return None
+def cmd_embed(args: argparse.Namespace) -> int:
+    from lmdock._params import PoolingParams
+    from lmdock._schema import build
+
+    fields = {"normalize": args.normalize, "dimensions": args.dimensions, "truncate_prompt_tokens": args.truncate}
+    params = build(PoolingParams, {k: v for k, v in fields.items() if v is not None}, source="<command line>")
+    with _llm(args) as llm:
+        outputs = llm.embed(args.texts, params)
+    data = [{"index": i, "text": t, "prompt_token_ids": o.prompt_token_ids, "embedding": o.outputs.embedding}
+            for i, (t, o) in enumerate(zip(args.texts, outputs))]
+    print(json.dumps(data, ensure_ascii=False))
+    return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

@@ -23,6 +23,7 @@ from lmdock._params import (
     KvCacheConfig,
     ModelConfig,
     OffloadPolicy,
+    PoolingParams,
     QuantConfig,
     SamplingParams,
     SchedulerConfig,
@@ -38,6 +39,7 @@ SECTIONS: dict[str, type] = {
     "kv_cache": KvCacheConfig,
     "scheduler": SchedulerConfig,
     "offload": OffloadPolicy,
+    "pooling": PoolingParams,
 }
 _MODEL_KEYS = {"model", "backend", "fallback", "tokenizer", "revision", "trust_remote_code", "sampling", "backends"}
 

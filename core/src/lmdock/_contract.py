@@ -193,3 +193,44 @@ class RequestEngine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@dataclass
+class PoolingInput:
+    """One prompt for a pooling engine: its token ids, and for a BERT-style pair (a cross-encoder's
+    query and document) the segment ids the tokenizer gave them."""
+
+    token_ids: list[int]
+    token_type_ids: list[int] | None = None
+
+
+@runtime_checkable
+class PoolingEngine(Protocol):
+    """What a backend's load hook returns for an embedding model or a cross-encoder.
+
+    The core wraps it in its pooling batcher: requests from many callers are padded into one batch up
+    to ``[scheduler] max_num_batched_tokens`` (and ``max_num_seqs``), grouped by pooling type, and
+    ``embed`` is called from one worker thread.  The core tokenizes (the tokenizer must be callable
+    like a transformers tokenizer: ``tokenizer(text, text_pair, truncation=..., max_length=...)``),
+    refuses empty and too-long prompts, and applies ``dimensions``, ``normalize`` and the
+    cross-encoder's sigmoid itself.
+    """
+
+    tokenizer: Tokenizer
+    #: Most tokens one prompt may have (a sentence-transformers model's ``max_seq_length``).
+    max_seq_len: int
+    #: "embed": a bi-encoder, ``embed`` returns pooled hidden states; "classify": a sequence
+    #: classifier (cross-encoder), ``embed`` returns its logits, one row per prompt.
+    task: Literal["embed", "classify"]
+    #: The model's own pooling ("CLS", "MEAN" or "LAST") and normalization, from its
+    #: sentence-transformers files (``lmdock.backend.read_pooling_config``).
+    pooling_type: str
+    normalize: bool
+    #: Length of ``embed``'s rows (the hidden size; the number of labels for "classify").
+    hidden_size: int
+
+    def embed(self, batch: Sequence[PoolingInput], pooling_type: str) -> np.ndarray:
+        """Float32 array [len(batch), hidden] of pooled hidden states (or [len(batch), labels] logits)."""
+        ...
+
+    def close(self) -> None: ...

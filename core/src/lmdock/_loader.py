@@ -131,6 +131,10 @@ def _load_one(spec: BackendSpec, mc: ModelConfig, registry: Any) -> RequestEngin
     engine = hook.lmdock_load_engine(backend=spec.name, model_config=mc, options=options, quantization=quant, build=build_args)
     if engine is None or spec.kind == "request":
         return engine
+    if hasattr(engine, "embed") and hasattr(engine, "task") and not hasattr(engine, "step"):
+        from lmdock._engine.pooling import PoolingRunner  # an embedding model or a cross-encoder
+
+        return PoolingRunner(engine, max_num_seqs=mc.scheduler.max_num_seqs, max_num_batched_tokens=mc.scheduler.max_num_batched_tokens)
     return _wrap_step_engine(engine, spec, mc, hook)
 
 

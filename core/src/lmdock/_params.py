@@ -301,6 +301,7 @@ class ModelConfig:
     kv_cache: KvCacheConfig = field(default_factory=KvCacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     offload: OffloadPolicy = field(default_factory=OffloadPolicy)
+    pooling: PoolingParams = field(default_factory=lambda: PoolingParams())
     sampling: dict[str, Any] = field(default_factory=dict)
     backends: dict[str, Any] = field(default_factory=dict)
     source: str | None = None
@@ -311,3 +312,42 @@ class ModelConfig:
     def backend_options(self, backend: str) -> dict[str, Any]:
         """The raw ``[models.NAME.backends.BACKEND]`` table (validated by that backend)."""
         return dict(self.backends.get(backend, {}))
+
+
+#: Pooling types: the [CLS] token's hidden state, the mean over the prompt's tokens, the last token's.
+POOLING_TYPES = ("CLS", "MEAN", "LAST")
+
+
+@dataclass(frozen=True)
+class PoolingParams(_Replaceable):
+    """How ``LLM.embed`` and ``LLM.score`` pool and post-process (vLLM's / furiosa-llm's ``PoolingParams``).
+
+    A field left at None takes the model's own setting (its sentence-transformers files), then the
+    config file's ``[models.NAME.pooling]`` table.
+
+    * ``normalize``: scale each embedding to unit length.
+    * ``dimensions``: keep the first ``dimensions`` values (Matryoshka truncation; applied before
+      ``normalize``).
+    * ``truncate_prompt_tokens``: cut a longer prompt to this many tokens (-1: the model's maximum);
+      without it, a prompt longer than the model takes is refused.
+    * ``pooling_type``: ``"CLS"``, ``"MEAN"`` or ``"LAST"``, over the model's own.
+    """
+
+    normalize: bool | None = None
+    dimensions: int | None = None
+    truncate_prompt_tokens: int | None = None
+    pooling_type: Literal["CLS", "MEAN", "LAST", "cls", "mean", "last"] | None = None
+
+    def __post_init__(self) -> None:
+        _int("dimensions", self.dimensions, 1)
+        if self.truncate_prompt_tokens != -1:
+            _int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1)
+        if self.pooling_type is not None:
+            check(str(self.pooling_type).upper() in POOLING_TYPES, "pooling_type",
+                  f"must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
+            object.__setattr__(self, "pooling_type", str(self.pooling_type).upper())
+
+    def over(self, base: PoolingParams) -> PoolingParams:
+        """These params with ``base``'s value wherever a field here is None."""
+        return PoolingParams(**{f.name: getattr(base, f.name) if getattr(self, f.name) is None else getattr(self, f.name)
+                                for f in dataclasses.fields(self)})

@@ -16,6 +16,8 @@ from lmdock._contract import (
     BackendSpec,
     EngineRequest,
     OutputSink,
+    PoolingEngine,
+    PoolingInput,
     RequestEngine,
     SeqChunk,
     StepEngine,
@@ -25,11 +27,12 @@ from lmdock._errors import BackendError, EngineClosedError, RequestError, Unsupp
 from lmdock._files import read_model_json
 from lmdock._hooks import hookimpl
 from lmdock._outputs import CompletionOutput, Logprob, RequestOutput
-from lmdock._params import ModelConfig
+from lmdock._params import ModelConfig, PoolingParams
 from lmdock._sinks import safe_fail, safe_put
 from lmdock._tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from lmdock._engine.pooling import read_pooling_config
     from lmdock._engine.sampler import ReferenceSampler, Sample, Sampler, SampleRow
     from lmdock._engine.scheduler import FcfsScheduler, Scheduler
     from lmdock._engine.slots import SlotTable
@@ -42,6 +45,7 @@ _LAZY = {
     "Sampler": "lmdock._engine.sampler",
     "Scheduler": "lmdock._engine.scheduler",
     "SlotTable": "lmdock._engine.slots",
+    "read_pooling_config": "lmdock._engine.pooling",
 }
 
 
@@ -73,6 +77,9 @@ __all__ = [
     "ModelConfig",
     "OutputSink",
     "PLUGIN_API_VERSION",
+    "PoolingEngine",
+    "PoolingInput",
+    "PoolingParams",
     "ReferenceSampler",
     "RequestEngine",
     "RequestError",
@@ -90,6 +97,7 @@ __all__ = [
     "build_options",
     "hookimpl",
     "read_model_json",
+    "read_pooling_config",
     "safe_fail",
     "safe_put",
 ]

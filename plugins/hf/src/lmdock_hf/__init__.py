@@ -41,11 +41,10 @@ SPEC = BackendSpec(
     name="hf",
     kind="step",
     plugin_api="1.0",
-    supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search"}),
+    supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search",
+                        "embed", "score"}),
     lacks={
         "structured_output": "lmdock's own sampler has no grammar engine yet (vLLM's backend has structured output)",
-        "embed": "embedding models are not wired into lmdock-hf yet",
-        "score": "scoring is not wired into lmdock-hf yet",
         "quantization": "no QuantConfig algorithm is implemented in lmdock-hf yet",
         "offload": "OffloadPolicy is not implemented in lmdock-hf yet",
     },
@@ -86,6 +85,13 @@ def lmdock_load_engine(backend: str, model_config: ModelConfig, options: Any, qu
         return None
     if model_config.offload.enabled:
         raise lmdock.UnsupportedError("lmdock-hf does not implement OffloadPolicy yet; remove [offload]")
+    from lmdock.backend import read_pooling_config
+
+    pooling = read_pooling_config(model_config.model)
+    if pooling["task"] is not None:  # an embedding model or a cross-encoder: the pooling engine
+        from lmdock_hf._pooling import HFPoolingEngine
+
+        return HFPoolingEngine.load(model_config, options, build, pooling)
     from lmdock_hf._engine import HFStepEngine
 
     return HFStepEngine.load(model_config, options, build)

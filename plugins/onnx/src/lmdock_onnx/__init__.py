@@ -75,11 +75,10 @@ SPEC = BackendSpec(
     name="onnx",
     kind="step",
     plugin_api="1.0",
-    supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search", "quantization"}),
+    supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search", "quantization",
+                        "embed", "score"}),
     lacks={
         "structured_output": "lmdock's own sampler has no grammar engine yet (vLLM's backend has structured output)",
-        "embed": "lmdock-onnx exports causal LMs",
-        "score": "lmdock-onnx exports causal LMs",
         "offload": "ONNX Runtime holds the whole graph in one session; no OffloadPolicy",
     },
     requires=("onnxruntime", "numpy"),
@@ -144,6 +143,15 @@ def lmdock_load_engine(backend: str, model_config: ModelConfig, options: Any, qu
         return None
     if model_config.offload.enabled:
         raise lmdock.UnsupportedError("lmdock-onnx does not offload weights; remove [offload]")
+    from lmdock.backend import read_pooling_config
+
+    pooling = read_pooling_config(model_config.model)
+    if pooling["task"] is not None:  # an embedding model or a cross-encoder: the pooling engine
+        if quantization:
+            raise lmdock.UnsupportedError("lmdock-onnx quantizes causal LMs only; remove [quantization] for an embedding model")
+        from lmdock_onnx._pooling import OnnxPoolingEngine
+
+        return OnnxPoolingEngine.load(model_config, options, build, pooling)
     from lmdock_onnx._load import load
 
     return load(model_config, options, quantization, build)
