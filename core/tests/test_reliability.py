@@ -338,3 +338,29 @@ def test_concurrent_requests_with_random_aborts_leave_zero_held(fake: FakePlugin
         done, pending = concurrent.futures.wait([f for f in futures if not f.cancelled()], timeout=60)
         assert not pending
         wait_idle(llm)
+
+
+def test_n_completions_prefill_the_prompt_once_and_fork(fake: FakePlugin) -> None:
+    class Forking(FakeStepEngine):
+        fed = 0
+
+        def step(self, chunks: Any) -> Any:
+            self.fed += sum(len(c.token_ids) for c in chunks)
+            return super().step(chunks)
+
+        def fork(self, src: int, dst: int, length: int) -> bool:
+            self.state[dst] = list(self.state[src][:length])
+            return True
+
+    params = SamplingParams(n=4, temperature=1.0, seed=3, max_new_tokens=6, ignore_eos=True)
+    prompt = "hello world the cat"
+    with LLM("m", backend="fake") as plain:  # the fake cannot fork: every completion prefills
+        want = [o.token_ids for o in plain.generate(prompt, params)[0].outputs]
+    fake.factory = Forking
+    with LLM("m", backend="fake") as llm:
+        out = llm.generate(prompt, params)[0]
+        eng = fake.engines[-1]
+        assert [o.token_ids for o in out.outputs] == want
+        prompt_len = len(out.prompt_token_ids)
+        assert eng.fed == prompt_len + 4 * 5  # one prefill, then 5 decode tokens per completion
+        wait_idle(llm)

@@ -287,8 +287,10 @@ class StepRunner:
         req = Req(request, sink, processors, constraints)
         for index in range(1 if req.beam is not None else request.params.n):
             req.seqs.append(Seq(self._new_seq_id(), req, index, self.engine))
+        # n > 1: the prompt is prefilled once; the other completions fork its KV state (_fan_out)
+        req.followers = req.seqs[1:]
         try:
-            for seq in req.seqs:
+            for seq in req.seqs[:1]:
                 self.scheduler.add(seq)
         except LmdockError as exc:
             for seq in req.seqs:
@@ -392,6 +394,7 @@ class StepRunner:
             return
         # 4. prompt logprobs and KV progress
         ready: list[int] = []
+        fan: list[tuple[Seq, int]] = []  # completions that share this step's prompt logits
         for i, (seq, n) in enumerate(plan):
             if chunks[i].all_logits and _live(seq):
                 self._guard(seq, "recording prompt logprobs", self.output.record_prompt_logprobs, seq, chunks[i], out.full[seq.seq_id])
@@ -404,6 +407,8 @@ class StepRunner:
                 self._guard(seq, "finishing the query", self.queries.finish, seq, out.last[i])
             else:
                 ready.append(i)
+                if seq.req.followers:
+                    fan += [(f, i) for f in self._fan_out(seq)]
         # 5. beam search
         if any(plan[i][0].req.beam is not None for i in ready):
             beams = [i for i in ready if plan[i][0].req.beam is not None]
@@ -413,7 +418,11 @@ class StepRunner:
             return
         # 6. sample (a whole-batch step needs no gather)
         seqs = [plan[i][0] for i in ready]
-        samples = self._sample(out.last if len(ready) == len(plan) else out.last[ready], seqs)
+        if fan:
+            seqs += [f for f, _ in fan]
+            samples = self._sample(out.last[ready + [i for _, i in fan]], seqs)
+        else:
+            samples = self._sample(out.last if len(ready) == len(plan) else out.last[ready], seqs)
         # 7. append, detokenize, stop
         touched: dict[int, Req] = {}
         append = self.output.append
@@ -522,6 +531,26 @@ class StepRunner:
             and start < seq.prompt_len
         )
         return SeqChunk(seq.seq_id, seq.token_ids[start : start + n], start, want_all)
+
+    def _fan_out(self, first: Seq) -> list[Seq]:
+        """The first completion's prompt is computed: the others of its request fork its KV state and
+        sample their first token from the same logits (engines that cannot fork prefill them instead)."""
+        req = first.req
+        assert req is not None  # noqa: S101
+        followers, req.followers = req.followers, []
+        sharing: list[Seq] = []
+        for f in followers:
+            if self.engine.fork(first.seq_id, f.seq_id, first.num_computed):
+                f.held = True
+                f.num_computed = first.num_computed
+                sharing.append(f)
+                if hasattr(self.scheduler, "fork"):
+                    self.scheduler.fork(first, f)
+                else:
+                    self.scheduler.add(f)
+            else:
+                self.scheduler.add(f)
+        return sharing
 
     # -- beam search --------------------------------------------------------------------------------
 

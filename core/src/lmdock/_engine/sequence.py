@@ -86,6 +86,8 @@ class Req:
         self.processors = processors
         self.constraints = constraints
         self.seqs: list[Seq] = []
+        #: n > 1: completions waiting for the first one's prompt KV state, to fork it
+        self.followers: list[Seq] = []
         self.done = False  # reported finished or failed: nothing more goes to the sink
         p = request.params
         self.beam = BeamSearch(p.beam_width, p.length_penalty, p.early_stopping) if p.beam_width > 1 else None
