@@ -16,16 +16,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
-from stories_facts import REPO  # noqa: E402
-
-
-def stories_path() -> str:
-    from lmdock import load_config
-
-    path = load_config(REPO / "lmdock.toml").model("stories").model
-    if not Path(path, "config.json").is_file():
-        pytest.fail(f"stories260K not found at {path}: set LMDOCK_MODELS to the folder that holds it")
-    return path
+from stories_facts import REPO, stories_path  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session")

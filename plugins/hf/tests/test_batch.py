@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import stories_path
 from lmdock import LLM
 from lmdock._cli import main
+from stories_facts import stories_path
 
 
 def test_batch_matches_generate_on_stories260k(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from conftest import stories_path
+from stories_facts import stories_path
 
 
 def _lmdock(*args: str) -> subprocess.CompletedProcess[str]:

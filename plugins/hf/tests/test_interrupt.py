@@ -12,9 +12,9 @@ import subprocess
 import sys
 import time
 
-from conftest import stories_path
+from stories_facts import stories_path
 
-TRIES = 20
+TRIES = 8
 
 
 def _interrupt_once(model: str, delay: float) -> tuple[int, str]:

@@ -9,8 +9,8 @@ import os
 
 import numpy as np
 import pytest
-from conftest import stories_path
 from lmdock import LLM, UnsupportedError
+from stories_facts import stories_path
 
 
 @pytest.fixture(scope="module")
