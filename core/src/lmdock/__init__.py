@@ -28,6 +28,7 @@ from lmdock._params import (
     QuantConfig,
     SamplingParams,
     SchedulerConfig,
+    ServerConfig,
     StructuredOutput,
 )
 from lmdock._sinks import RequestFuture
@@ -59,6 +60,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SchedulerConfig",
+    "ServerConfig",
     "StructuredOutput",
     "Tokenizer",
     "UnsupportedError",
