@@ -173,29 +173,34 @@ class _Guard:
             await _send_error(send, 413, too_big)
             return
         seen = 0
+        overflow = False
 
         async def limited() -> dict[str, Any]:
-            nonlocal seen
+            # A chunked body is counted as it arrives; past the limit the app gets an empty final chunk
+            # and whatever it answers is replaced by the 413.
+            nonlocal seen, overflow
+            if overflow:
+                return {"type": "http.disconnect"}
             msg = await receive()
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > limit:
-                    raise APIError(413, too_big)
+                    overflow = True
+                    return {"type": "http.request", "body": b"", "more_body": False}
             return msg
 
-        started = False
+        replaced = False
 
-        async def tracked_send(msg: dict[str, Any]) -> None:
-            nonlocal started
-            if msg["type"] == "http.response.start":
-                started = True
+        async def guarded_send(msg: dict[str, Any]) -> None:
+            nonlocal replaced
+            if overflow:
+                if not replaced:
+                    replaced = True
+                    await _send_error(send, 413, too_big)
+                return
             await send(msg)
 
-        try:
-            await self.app(scope, limited, tracked_send)
-        except APIError as exc:
-            if not started:
-                await _send_error(send, exc.status, exc.message, exc.headers)
+        await self.app(scope, limited, guarded_send)
 
 
 async def _send_error(send: Callable[..., Any], status: int, message: str, headers: dict[str, str] | None = None) -> None:
@@ -769,20 +774,25 @@ def _streaming(request: Request, events: AsyncIterator[str]) -> StreamingRespons
         # between tokens) still aborts the request at once.
         gen = events.__aiter__()
         watch = asyncio.ensure_future(_wait_disconnect(request))
+        nxt: asyncio.Future[str] | None = None
         try:
             while True:
                 nxt = asyncio.ensure_future(gen.__anext__())
                 await asyncio.wait({nxt, watch}, return_when=asyncio.FIRST_COMPLETED)
                 if not nxt.done():
-                    nxt.cancel()
-                    await asyncio.gather(nxt, return_exceptions=True)
                     return
                 try:
-                    yield nxt.result()
+                    item = nxt.result()
                 except StopAsyncIteration:
                     return
+                yield item
         finally:
+            # No await may be needed here: a cancelled (disconnected) response cannot wait.  Cancelling
+            # the pending step unwinds the generators, whose finally blocks abort the engine requests.
             watch.cancel()
-            await gen.aclose()  # type: ignore[attr-defined]
+            if nxt is not None and not nxt.done():
+                nxt.cancel()
+            elif nxt is not None:
+                asyncio.ensure_future(gen.aclose())  # type: ignore[attr-defined]
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
