@@ -67,7 +67,6 @@ def test_lm_eval_loglikelihoods_equal_in_process_prompt_logprobs(server: Server,
     monkeypatch.setenv("OPENAI_API_KEY", "unused")
     import lm_eval
     from lm_eval.tasks import TaskManager
-
     from lmdock import LLM, SamplingParams
 
     tasks = _tasks(tmp_path)

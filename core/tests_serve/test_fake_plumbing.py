@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-
 from lmdock import ServerConfig
 from lmdock.server import ServedModel, create_app
 
