@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import openai
-from conftest import DOCUMENTED, Server
+from serve_helpers import DOCUMENTED, Server
 
 LONG = {"model": "stories", "prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True, "n": 4}
 

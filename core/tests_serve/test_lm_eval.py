@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import Server, models_dir
+from serve_helpers import Server, models_dir
 
 MC = [
     {"context": "Once upon a time, there was a little", "choices": ["girl", "dog", "car"], "label": 0},

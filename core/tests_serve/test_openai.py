@@ -7,7 +7,7 @@ import json
 import httpx
 import openai
 import pytest
-from conftest import DOCUMENTED, PROMPT_IDS, Server
+from serve_helpers import DOCUMENTED, PROMPT_IDS, Server
 
 
 def client(server: Server, **kw: object) -> openai.OpenAI:
