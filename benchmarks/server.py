@@ -2,7 +2,7 @@
 
 64 concurrent streaming requests (token-id prompts of 16-128 tokens, 64 greedy output tokens each, EOS
 ignored) on a random-weight Llama of about 100M parameters (benchmarks/_common.py) on the hf backend.
-In-process: 64 ``LLM.stream_generate`` tasks on one event loop.  Server: ``lmdock serve`` in a
+In-process: 64 streamed requests on one event loop (the engine's snapshots, as ``stream_generate`` uses).  Server: ``lmdock serve`` in a
 subprocess on 127.0.0.1 and 64 streaming ``/v1/completions`` requests from the ``openai`` client's
 async API.  Printed as ``vllm bench serve`` does: throughput, TTFT and inter-token latency p50/p99
 (both sides measure the arrival of streamed chunks), and the server/in-process throughput ratio
@@ -59,16 +59,29 @@ def summarize(name: str, traces: list[Trace], tokens: int, wall: float) -> dict[
 
 async def in_process(path: str, prompts: list[list[int]], n: int, threads: int) -> dict[str, Any]:
     from lmdock import LLM, SamplingParams
+    from lmdock._sinks import AsyncQueueSink
 
     params = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
     with LLM(path, backend="hf", scheduler={"max_num_seqs": len(prompts)}, backends={"hf": {"num_threads": threads}}) as llm:
         llm.generate([prompts[0]], params, use_tqdm=False)  # warm-up
 
         async def one(ids: list[int]) -> Trace:
+            # stream_generate yields text deltas only, and a random model's token may decode to no
+            # text; count outputs by tokens, as the server sends a chunk per step with new tokens.
             tr = Trace()
-            async for _ in llm.stream_generate(ids, params):
-                tr.arrivals.append(time.perf_counter())
-            return tr
+            request = llm._request(ids, params, stream=True)
+            sink = AsyncQueueSink(asyncio.get_running_loop())
+            llm.engine.submit(request, sink)
+            seen = 0
+            while True:
+                out = await sink.queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                if len(out.outputs[0].token_ids) > seen:
+                    seen = len(out.outputs[0].token_ids)
+                    tr.arrivals.append(time.perf_counter())
+                if out.finished:
+                    return tr
 
         t0 = time.perf_counter()
         traces = await asyncio.gather(*(one(p) for p in prompts))
@@ -105,7 +118,7 @@ async def through_server(path: str, prompts: list[list[int]], n: int, threads: i
             stream = await client.completions.create(model="bench", prompt=ids, max_tokens=n, temperature=0, stream=True,
                                                      extra_body={"ignore_eos": True})
             async for chunk in stream:
-                if chunk.choices and chunk.choices[0].text:
+                if chunk.choices:
                     tr.arrivals.append(time.perf_counter())
             return tr
 
