@@ -85,7 +85,7 @@ async def in_process(path: str, prompts: list[list[int]], n: int, threads: int) 
 
         t0 = time.perf_counter()
         traces = await asyncio.gather(*(one(p) for p in prompts))
-        return summarize("in-process LLM.stream_generate", list(traces), n * len(prompts), time.perf_counter() - t0)
+        return summarize("in-process LLM (streamed)", list(traces), n * len(prompts), time.perf_counter() - t0)
 
 
 async def through_server(path: str, prompts: list[list[int]], n: int, threads: int) -> dict[str, Any]:
