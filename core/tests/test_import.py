@@ -6,7 +6,9 @@ import json
 import subprocess
 import sys
 
-HEAVY = ("torch", "numpy", "transformers", "vllm", "mlx", "onnxruntime", "tensorrt_llm")
+# the server stack (lmdock[serve]) too: only `lmdock serve` / `import lmdock.server` may import it
+HEAVY = ("torch", "numpy", "transformers", "vllm", "mlx", "onnxruntime", "tensorrt_llm",
+         "fastapi", "uvicorn", "prometheus_client", "starlette", "pydantic")
 
 PROBE = """
 import sys, json

@@ -36,6 +36,7 @@ from lmdock._params import (
     QuantConfig,
     SamplingParams,
     SchedulerConfig,
+    ServerConfig,
     StructuredOutput,
 )
 from lmdock._tokenizer import Tokenizer
@@ -95,6 +96,7 @@ __all__ = [
     "SchedulerConfig",
     "ScoringOutput",
     "ScoringRequestOutput",
+    "ServerConfig",
     "StructuredOutput",
     "Tokenizer",
     "UnsupportedError",

@@ -109,6 +109,21 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None, help="unit-length vectors (default: the model's)")
     e.add_argument("--truncate", type=int, metavar="N", help="cut longer texts to N tokens (-1: the model's maximum)")
     e.set_defaults(func=cmd_embed)
+    sv = sub.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API (pip install 'lmdock[serve]')",
+                        description="Serve the config file's models (the named ones, by default default_model) over "
+                        "OpenAI's HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /v1/embeddings, /tokenize, "
+                        "/detokenize, /tokenizer_info, /health, /metrics. Settings come from the config's [server] table; "
+                        "SIGTERM/SIGINT drain the requests in flight, then exit 0. See docs/server.md.")
+    sv.add_argument("-m", "--model", action="append", dest="models", metavar="MODEL",
+                    help="a model name in the config file (repeatable; default: the config's default_model)")
+    sv.add_argument("--config", help="config file (default: $LMDOCK_CONFIG, ./lmdock.toml, ~/.config/lmdock/lmdock.toml)")
+    sv.add_argument("--backend", help="backend name or 'auto' (overrides the config file)")
+    sv.add_argument("--host", help="address to bind (default: [server] host, 127.0.0.1)")
+    sv.add_argument("--port", type=int, help="port (default: [server] port, 8000)")
+    sv.add_argument("--api-key", help="require this key (default: $LMDOCK_API_KEY, then [server] api_key_file / api_key)")
+    sv.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file for /v1/chat/completions")
+    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    sv.set_defaults(func=cmd_serve)
 
     cfg = sub.add_parser("config", help="check the config file or print its JSON Schema")
     csub = cfg.add_subparsers(metavar="ACTION")
@@ -373,6 +388,15 @@ def cmd_batch(args: argparse.Namespace) -> int:
     from lmdock._batch import run_batch
 
     return run_batch(args)
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from lmdock.server import serve
+    except ImportError as exc:
+        from lmdock._errors import LmdockError as _E
+
+        raise _E(f"lmdock serve needs the server extra ({exc.name} is missing): pip install 'lmdock[serve]'") from None
+    return serve(args.models, args.config, host=args.host, port=args.port, api_key=args.api_key, backend=args.backend,
+                 chat_template=args.chat_template, log_level=args.log_level)
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:

@@ -27,6 +27,7 @@ from lmdock._params import (
     QuantConfig,
     SamplingParams,
     SchedulerConfig,
+    ServerConfig,
 )
 from lmdock._schema import build, coerce, json_schema, unknown_key
 
@@ -51,6 +52,7 @@ class ConfigFile:
     path: str
     models: dict[str, ModelConfig] = field(default_factory=dict)
     default_model: str | None = None
+    server: ServerConfig = field(default_factory=ServerConfig)
 
     def model(self, name: str) -> ModelConfig:
         if name not in self.models:
@@ -95,11 +97,12 @@ def load_config(path: str | os.PathLike[str]) -> ConfigFile:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"invalid TOML: {exc}", source=source) from None
     raw = _substitute(raw, source, "")
-    unknown = sorted(set(raw) - {"models", "default_model"})
+    unknown = sorted(set(raw) - {"models", "default_model", "server"})
     if unknown:
-        raise ConfigError(unknown_key(unknown[0], ("default_model", "models")), source=source, key=unknown[0])
+        raise ConfigError(unknown_key(unknown[0], ("default_model", "models", "server")), source=source, key=unknown[0])
     models = coerce(raw.get("models", {}), dict[str, Any], "models", source)
     cfg = ConfigFile(source, default_model=coerce(raw.get("default_model"), str | None, "default_model", source))
+    cfg.server = build(ServerConfig, coerce(raw.get("server", {}), dict[str, Any], "server", source), source=source, prefix="server")
     for name, entry in models.items():
         key = f"models.{name}"
         if not isinstance(entry, dict):
@@ -220,6 +223,7 @@ def config_schema(backend_options: dict[str, type] | None = None) -> dict[str, A
         "additionalProperties": False,
         "properties": {
             "default_model": {"type": "string"},
+            "server": json_schema(ServerConfig),
             "models": {
                 "type": "object",
                 "additionalProperties": {

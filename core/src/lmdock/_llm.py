@@ -107,6 +107,18 @@ class LLM:
             raise EngineClosedError("this LLM was shut down; create a new one")
         return self._engine
 
+    def stats(self) -> dict[str, Any]:
+        """The engine's live counts (``num_requests_running``, ``num_requests_waiting``,
+        ``kv_cache_usage_perc``, ``num_preemptions_total``, ``num_sequences_held``), or ``{}`` when
+        the engine reports none."""
+        stats = getattr(self.engine, "stats", None)
+        out = dict(stats()) if callable(stats) else {}
+        if "num_sequences_held" not in out:  # a step engine reports what it holds KV state for
+            held = getattr(getattr(self.engine, "engine", None), "num_sequences", None)
+            if callable(held):
+                out["num_sequences_held"] = held()
+        return out
+
     # -- sampling defaults ----------------------------------------------------------------------
 
     def get_default_sampling_params(self) -> SamplingParams:

@@ -286,6 +286,39 @@ class OffloadPolicy(_Replaceable):
 
 
 @dataclass(frozen=True)
+class ServerConfig(_Replaceable):
+    """The ``[server]`` table: how ``lmdock serve`` listens, whom it lets in and how much it takes.
+
+    The API key comes from ``--api-key``, else ``$LMDOCK_API_KEY``, else ``api_key_file`` (its first
+    line), else ``api_key`` (write ``"${env.VAR}"`` rather than the key itself); with none, no key is
+    asked for.  ``max_queue`` bounds each model's requests in flight (running and waiting); by default
+    it is the model's ``scheduler.max_num_seqs + scheduler.max_waiting``.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    api_key_file: str | None = None
+    max_body_bytes: int = 1048576
+    max_queue: int | None = None
+    retry_after: int = 1
+    cors_origins: tuple[str, ...] = ()
+    shutdown_timeout: float = 30.0
+    chat_template: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cors_origins", tuple(self.cors_origins or ()))
+        check(bool(self.host), "host", "must be a host name or address, such as '127.0.0.1'")
+        _int("port", self.port, 0, optional=False)
+        check(self.port <= 65535, "port", f"must be <= 65535, got {self.port}")
+        _int("max_body_bytes", self.max_body_bytes, 1, optional=False)
+        _int("max_queue", self.max_queue, 1)
+        _int("retry_after", self.retry_after, 1, optional=False)
+        _range("shutdown_timeout", self.shutdown_timeout, 0.0)
+        check(self.api_key is None or self.api_key != "", "api_key", "is empty; remove it or give a key")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """A resolved model entry: what a backend's load hook receives."""
 

@@ -1,0 +1,153 @@
+"""Soak ``lmdock serve``: many concurrent streams, some clients disconnecting at random, bounded in time.
+
+``--clients`` concurrent clients (default 200) each loop over streaming ``/v1/completions`` requests
+(random output lengths) until ``--seconds`` have passed (default 60; ``--seconds 300`` for the
+5-minute soak) or ``--max-requests`` were sent; ``--disconnect`` of the requests (default 10%) are
+dropped by their client after a random number of chunks.  Reports lost requests (an error status, an
+error event, or a stream that ended without ``[DONE]``), hung requests (no end within
+``--request-timeout``), the sequences the backend still holds and the requests still in flight once
+the load stops, and the server's RSS drift between the end of the warm-up and the end.
+Loopback only; stories260K on the hf backend (``$LMDOCK_MODELS``).
+
+Run: ``HF_HUB_OFFLINE=1 LMDOCK_MODELS=../shared/models python benchmarks/soak.py [--seconds 300]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    import httpx
+
+    root = os.environ.get("LMDOCK_MODELS")
+    if not root:
+        raise SystemExit("set LMDOCK_MODELS to the folder holding stories260K")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = Path(tempfile.mkdtemp(prefix="lmdock-soak-")) / "lmdock.toml"
+    cfg.write_text(f'default_model = "stories"\n[server]\nport = {port}\n[models.stories]\nmodel = "{Path(root) / "stories260K"}"\n'
+                   f'backend = "hf"\nscheduler = {{ max_num_seqs = {args.max_num_seqs} }}\n')
+    exe = Path(sys.executable).with_name("lmdock")
+    proc = subprocess.Popen([str(exe), "serve", "--config", str(cfg), "--log-level", "warning"])
+    url = f"http://127.0.0.1:{port}"
+    limits = httpx.Limits(max_connections=args.clients + 8, max_keepalive_connections=args.clients + 8)
+    counts = {"sent": 0, "completed": 0, "disconnected": 0, "lost": 0, "hung": 0}
+    rng = random.Random(args.seed)
+    try:
+        async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(args.request_timeout)) as http:
+            deadline = time.monotonic() + 300
+            while True:
+                try:
+                    if (await http.get(f"{url}/health")).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("lmdock serve did not start")
+                await asyncio.sleep(0.3)
+            start = time.monotonic()
+            stop_at = start + args.seconds
+            warm_rss: list[int] = []
+
+            async def one() -> None:
+                counts["sent"] += 1
+                body = {"model": "stories", "prompt": "Once upon a time", "max_tokens": rng.randint(8, 200),
+                        "temperature": 1.0, "stream": True}
+                drop_after = rng.randint(1, 20) if rng.random() < args.disconnect else None
+                try:
+                    async with asyncio.timeout(args.request_timeout):
+                        async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+                            if r.status_code != 200:
+                                counts["lost"] += 1
+                                return
+                            chunks = 0
+                            async for line in r.aiter_lines():
+                                if not line:
+                                    continue
+                                if line == "data: [DONE]":
+                                    counts["completed"] += 1
+                                    return
+                                if "error" in json.loads(line[6:]):
+                                    counts["lost"] += 1
+                                    return
+                                chunks += 1
+                                if drop_after is not None and chunks >= drop_after:
+                                    counts["disconnected"] += 1
+                                    return  # leaving the block closes the connection mid-stream
+                            if drop_after is None or chunks < drop_after:
+                                counts["lost"] += 1  # ended without [DONE]
+                except TimeoutError:
+                    counts["hung"] += 1
+                except httpx.HTTPError:
+                    counts["lost"] += 1
+
+            async def client() -> None:
+                while time.monotonic() < stop_at and counts["sent"] < args.max_requests:
+                    await one()
+
+            async def sample_rss() -> None:
+                await asyncio.sleep(min(10.0, args.seconds * 0.2))
+                warm_rss.append(rss_kib(proc.pid))
+
+            sampler = asyncio.create_task(sample_rss())
+            await asyncio.gather(*(client() for _ in range(args.clients)))
+            elapsed = time.monotonic() - start
+            await sampler
+            # the load has stopped: everything must be released
+            settle = time.monotonic() + 5
+            while True:
+                stats = (await http.get(f"{url}/stats")).json()["stories"]
+                if (stats.get("num_sequences_held", 0) == 0 and stats["in_flight"] == 0) or time.monotonic() > settle:
+                    break
+                await asyncio.sleep(0.1)
+            end_rss = rss_kib(proc.pid)
+    finally:
+        proc.terminate()
+        code = proc.wait(120)
+    drift = (end_rss - warm_rss[0]) / warm_rss[0] * 100 if warm_rss and warm_rss[0] else float("nan")
+    print(f"soak: {args.clients} concurrent streaming clients for {elapsed:.0f} s, {args.disconnect:.0%} disconnecting")
+    print(f"requests: {counts['sent']} sent, {counts['completed']} completed, {counts['disconnected']} disconnected by the client, "
+          f"{counts['lost']} lost, {counts['hung']} hung")
+    print(f"after the load: {stats.get('num_sequences_held', 0)} sequences held, {stats['in_flight']} requests in flight")
+    print(f"server RSS: {warm_rss[0] / 1024 if warm_rss else float('nan'):.0f} MiB after warm-up, {end_rss / 1024:.0f} MiB at the end "
+          f"(drift {drift:+.1f}%; target < 5%)")
+    print(f"server exit code after SIGTERM: {code}")
+    ok = counts["lost"] == 0 and counts["hung"] == 0 and stats.get("num_sequences_held", 0) == 0 and stats["in_flight"] == 0
+    return 0 if ok else 1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clients", type=int, default=200)
+    ap.add_argument("--seconds", type=float, default=60.0, help="how long to keep the load on (300 for the 5-minute soak)")
+    ap.add_argument("--max-requests", type=int, default=100_000)
+    ap.add_argument("--disconnect", type=float, default=0.10, help="fraction of requests their client drops mid-stream")
+    ap.add_argument("--request-timeout", type=float, default=120.0, help="seconds after which a request counts as hung")
+    ap.add_argument("--max-num-seqs", type=int, default=32, help="the engine's batch size")
+    ap.add_argument("--seed", type=int, default=0)
+    sys.exit(asyncio.run(main_async(ap.parse_args())))
+
+
+if __name__ == "__main__":
+    main()

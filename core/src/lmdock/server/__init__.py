@@ -1,0 +1,13 @@
+"""``lmdock serve``: an OpenAI-compatible HTTP server over any backend (``pip install "lmdock[serve]"``).
+
+FastAPI, uvicorn and prometheus-client are imported only here, never by ``import lmdock``.
+:func:`create_app` builds the ASGI app over loaded ``LLM`` objects; :func:`serve` loads the models
+named in the config file and runs it until SIGTERM/SIGINT, draining in-flight requests first.
+"""
+
+from __future__ import annotations
+
+from lmdock.server._app import ServedModel, create_app
+from lmdock.server._run import serve
+
+__all__ = ["ServedModel", "create_app", "serve"]

@@ -1,0 +1,94 @@
+"""``/metrics``: Prometheus text with vLLM's metric names under the ``lmdock:`` prefix, labelled by model.
+
+Gauges (requests running and waiting, KV-cache usage, preemptions, sequences held) are read from
+``LLM.stats()`` at scrape time, each key defaulting to 0 where the engine does not report it; token
+counts and latencies are measured by the server from what it sends.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+_GAUGES = {
+    "num_requests_running": "Requests running in the engine (a batch slot each).",
+    "num_requests_waiting": "Requests waiting for a batch slot.",
+    "kv_cache_usage_perc": "KV-cache usage, 0 to 1.",
+    "num_sequences_held": "Sequences the backend holds KV state for.",
+}
+
+
+class _EngineCollector:
+    def __init__(self, stats: Callable[[], dict[str, dict[str, Any]]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[Any]:
+        per_model = self._stats()
+        for key, doc in _GAUGES.items():
+            g = GaugeMetricFamily(f"lmdock:{key}", doc, labels=["model_name"])
+            for model, s in per_model.items():
+                g.add_metric([model], float(s.get(key, 0) or 0))
+            yield g
+        c = CounterMetricFamily("lmdock:num_preemptions", "Preemptions by the scheduler.", labels=["model_name"])
+        for model, s in per_model.items():
+            c.add_metric([model], float(s.get("num_preemptions_total", 0) or 0))
+        yield c
+
+
+class Metrics:
+    def __init__(self, stats: Callable[[], dict[str, dict[str, Any]]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        m = ["model_name"]
+        self.prompt_tokens = Counter("lmdock:prompt_tokens", "Prompt tokens processed.", m, registry=r)
+        self.generation_tokens = Counter("lmdock:generation_tokens", "Tokens generated.", m, registry=r)
+        self.success = Counter("lmdock:request_success", "Requests finished, by finish reason.", [*m, "finished_reason"], registry=r)
+        self.ttft = Histogram("lmdock:time_to_first_token_seconds", "Time to the first generated token.", m, buckets=_TTFT, registry=r)
+        self.itl = Histogram("lmdock:inter_token_latency_seconds", "Time between generated tokens.", m, buckets=_ITL, registry=r)
+        self.e2e = Histogram("lmdock:e2e_request_latency_seconds", "Arrival to last token.", m, buckets=_E2E, registry=r)
+        self.queue = Histogram("lmdock:request_queue_time_seconds",
+                               "Arrival to the first output from the engine (queueing plus prefill).", m, buckets=_E2E, registry=r)
+        r.register(_EngineCollector(stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Observes one engine request's token timings from its snapshots."""
+
+    def __init__(self, metrics: Metrics, model: str) -> None:
+        self.m = metrics
+        self.model = model
+        self.arrival = time.perf_counter()
+        self.last: float | None = None
+        self.tokens = 0
+
+    def snapshot(self, out: Any) -> None:
+        now = time.perf_counter()
+        tokens = sum(len(o.token_ids) for o in out.outputs)
+        if tokens > self.tokens:
+            if self.last is None:
+                self.m.ttft.labels(self.model).observe(now - self.arrival)
+                self.m.queue.labels(self.model).observe(now - self.arrival)
+            else:
+                gap = (now - self.last) / (tokens - self.tokens)
+                for _ in range(tokens - self.tokens):
+                    self.m.itl.labels(self.model).observe(gap)
+            self.tokens, self.last = tokens, now
+        if out.finished:
+            self.m.prompt_tokens.labels(self.model).inc(len(out.prompt_token_ids))
+            self.m.generation_tokens.labels(self.model).inc(tokens)
+            self.m.e2e.labels(self.model).observe(now - self.arrival)
+            for o in out.outputs:
+                self.m.success.labels(self.model, o.finish_reason or "stop").inc()

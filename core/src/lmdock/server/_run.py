@@ -1,0 +1,129 @@
+"""Load the models, run uvicorn, drain on SIGTERM/SIGINT, shut the engines down, exit 0."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from lmdock._config import find_config, load_config
+from lmdock._errors import ConfigError
+from lmdock._params import ServerConfig
+from lmdock.server._app import ServedModel, create_app
+
+log = logging.getLogger("lmdock.server")
+
+
+def resolve_api_key(settings: ServerConfig, cli_key: str | None = None) -> str | None:
+    """``--api-key``, then ``$LMDOCK_API_KEY``, then ``[server] api_key_file``, then ``[server] api_key``."""
+    if cli_key:
+        return cli_key
+    env = os.environ.get("LMDOCK_API_KEY")
+    if env:
+        return env
+    if settings.api_key_file:
+        try:
+            key = Path(settings.api_key_file).expanduser().read_text(encoding="utf-8").strip().splitlines()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the API key file: {exc.strerror}", source=settings.api_key_file, key="server.api_key_file") from None
+        if not key or not key[0].strip():
+            raise ConfigError("the API key file is empty", source=settings.api_key_file, key="server.api_key_file")
+        return key[0].strip()
+    return settings.api_key
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, marking the app as draining on the first signal and exiting 0 afterwards."""
+
+    def __init__(self, config: uvicorn.Config, state: Any) -> None:
+        super().__init__(config)
+        self._lmdock = state
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self._lmdock.draining:
+            log.info("lmdock serve: draining (up to %ss for requests in flight)", self._lmdock.settings.shutdown_timeout)
+        self._lmdock.draining = True
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn re-raises the signal after its shutdown (the process would die by SIGTERM); a drained
+        # server has done its job and exits 0 instead.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+
+def serve(
+    models: Sequence[str] | None = None,
+    config: str | os.PathLike[str] | None = None,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    api_key: str | None = None,
+    backend: str | None = None,
+    chat_template: str | None = None,
+    log_level: str = "info",
+) -> int:
+    """Serve ``models`` (config names, paths or hub ids; by default the config's ``default_model``)."""
+    from lmdock._llm import LLM
+
+    path = find_config(config)
+    cfg = load_config(path) if path is not None else None
+    settings = cfg.server if cfg is not None else ServerConfig()
+    names = list(models or [])
+    if not names:
+        if cfg is None or cfg.default_model is None:
+            raise ConfigError("no model to serve: pass -m MODEL or set default_model in the config file",
+                              source=str(path) if path else None)
+        names = [cfg.default_model]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"a model is named twice: {', '.join(names)}")
+    template = chat_template or settings.chat_template
+    template_text = None
+    if template:
+        try:
+            template_text = Path(template).expanduser().read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read the chat template: {exc.strerror}", source=template) from None
+    key = resolve_api_key(settings, api_key)
+    served: list[ServedModel] = []
+    try:
+        for name in names:
+            llm = LLM(name, backend=backend, config=path)
+            sched = llm.model_config.scheduler
+            limit = settings.max_queue or (sched.max_num_seqs + sched.max_waiting)
+            served.append(ServedModel(name, llm, limit, template_text))
+        app = create_app(served, settings, key)
+        uconfig = uvicorn.Config(
+            app,
+            host=host or settings.host,
+            port=settings.port if port is None else port,
+            log_level=log_level,
+            timeout_graceful_shutdown=settings.shutdown_timeout,  # type: ignore[arg-type]
+            access_log=False,
+            lifespan="off",
+        )
+        server = _Server(uconfig, app.state.lmdock)
+        shown = ", ".join(f"{sm.name} ({sm.llm.backend.name})" for sm in served)
+        print(f"lmdock serve: {shown} on http://{uconfig.host}:{uconfig.port}/v1"
+              f"{' (API key required)' if key else ''}", file=sys.stderr, flush=True)
+        server.run()
+    finally:
+        for sm in served:
+            sm.llm.shutdown()
+    return 0

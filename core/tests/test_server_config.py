@@ -1,0 +1,60 @@
+"""The config file's ``[server]`` table (``lmdock serve``): defaults, validation, schema, CLI help."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+from lmdock import ConfigError, ServerConfig, config_schema, load_config
+
+MODEL = '[models.m]\nmodel = "org/model"\n'
+
+
+def _load(tmp: Path, server: str) -> object:
+    path = tmp / "lmdock.toml"
+    path.write_text(f"[server]\n{server}\n{MODEL}")
+    return load_config(path)
+
+
+def test_defaults_bind_loopback_with_bounded_limits(isolated: Path) -> None:
+    cfg = _load(isolated, "")
+    assert cfg.server == ServerConfig()  # type: ignore[attr-defined]
+    s = ServerConfig()
+    assert (s.host, s.port, s.max_body_bytes, s.shutdown_timeout, s.cors_origins) == ("127.0.0.1", 8000, 1048576, 30.0, ())
+
+
+def test_values_are_read(isolated: Path) -> None:
+    cfg = _load(isolated, 'port = 9000\nmax_queue = 8\ncors_origins = ["http://localhost:3000"]\nshutdown_timeout = 5')
+    assert cfg.server.port == 9000 and cfg.server.max_queue == 8  # type: ignore[attr-defined]
+    assert cfg.server.cors_origins == ("http://localhost:3000",)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("text", "key"), [
+    ("port = 70000", "server.port"),
+    ("port = 'x'", "server.port"),
+    ("max_queue = 0", "server.max_queue"),
+    ("shutdown_timeout = -1", "server.shutdown_timeout"),
+    ("listen = 1", "server.listen"),
+])
+def test_mistakes_name_the_key(isolated: Path, text: str, key: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        _load(isolated, text)
+    assert exc.value.key == key
+
+
+def test_schema_has_the_server_table(isolated: Path) -> None:
+    schema = config_schema()
+    assert "port" in schema["properties"]["server"]["properties"]
+    jsonschema.validate({"server": {"port": 1, "cors_origins": ["x"]}, "models": {}}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"server": {"nope": 1}}, schema)
+
+
+def test_cli_help_describes_serve() -> None:
+    out = subprocess.run([sys.executable, "-m", "lmdock", "--help"], capture_output=True, text=True).stdout
+    assert "serve" in out and "OpenAI" in out
+    out = subprocess.run([sys.executable, "-m", "lmdock", "serve", "--help"], capture_output=True, text=True).stdout
+    assert "--api-key" in out and "[server]" in out

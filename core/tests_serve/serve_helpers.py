@@ -1,0 +1,81 @@
+"""Helpers for the server tests: a real ``lmdock serve`` subprocess on 127.0.0.1, serving stories260K through the hf backend.
+
+The model comes from ``$LMDOCK_MODELS`` (a missing model or package is a failure, not a skip).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+DOCUMENTED = ", there was a little girl named Lily. She loved to play outside in the park. One day, she saw a big, red ball."
+PROMPT_IDS = [1, 403, 407, 261, 378]
+
+
+def models_dir() -> Path:
+    root = os.environ.get("LMDOCK_MODELS")
+    assert root, "set LMDOCK_MODELS to the folder holding stories260K (see ../shared/models/README.md)"
+    path = Path(root) / "stories260K"
+    assert (path / "config.json").is_file(), f"stories260K not found under {root}"
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, tmp: Path, server_table: str = "", args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config = tmp / "lmdock.toml"
+        self.config.write_text(
+            f'default_model = "stories"\n\n[server]\nport = {self.port}\n{server_table}\n'
+            f'[models.stories]\nmodel = "{models_dir()}"\nbackend = "hf"\n'
+            '[models.stories.sampling]\ntemperature = 0.0\nmax_new_tokens = 40\n'
+            '[models.stories.backends.hf]\nnum_threads = 1\n',
+            encoding="utf-8",
+        )
+        exe = Path(sys.executable).with_name("lmdock")
+        self.log = open(tmp / "server.log", "w+b")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([str(exe), "serve", "--config", str(self.config), "--log-level", "warning", *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + 180
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"lmdock serve exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"lmdock serve did not become healthy:\n{self.output()}")
+            time.sleep(0.2)
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+    def stats(self, headers: dict[str, str] | None = None) -> dict[str, int]:
+        return httpx.get(f"{self.url}/stats", headers=headers, timeout=5).json()["stories"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()

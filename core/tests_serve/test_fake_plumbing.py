@@ -1,0 +1,101 @@
+"""Plumbing of /v1/embeddings, /v1/score, /v1/rerank and the 500 path, against FakePoolingLLM.
+
+FakePoolingLLM is a stand-in object (no model, no engine) with the interface ``LLM.embed`` /
+``LLM.score`` promise: it tests only how the server maps requests and responses.  The real
+embedding model is tested through these routes where LLM.embed exists.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from lmdock import ServerConfig
+from lmdock.server import ServedModel, create_app
+
+
+class _Backend:
+    def __init__(self, name: str, supports: set[str]) -> None:
+        self.name = name
+        self._supports = supports
+
+    def capability(self, cap: str) -> tuple[bool, str | None]:
+        return (True, None) if cap in self._supports else (False, f"{self.name} has no {cap} (fake)")
+
+
+class FakePoolingLLM:
+    """Fake: embeds a text as [len(text), 1, 0], scores a pair by equal lengths."""
+
+    def __init__(self, supports: set[str]) -> None:
+        self.backend = _Backend("fakepool", supports)
+        self.tokenizer = None
+        self.max_model_len = 64
+        self.model_config = SimpleNamespace(model="fake")
+        self.calls: list[tuple[Any, ...]] = []
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def embed(self, inputs: list[Any], pooling_params: Any = None) -> list[Any]:
+        self.calls.append(("embed", inputs, pooling_params))
+        return [SimpleNamespace(outputs=SimpleNamespace(embedding=[float(len(x)), 1.0, 0.0]), prompt_token_ids=[0] * len(x))
+                for x in inputs]
+
+    def score(self, text_1: Any, text_2: Any) -> list[Any]:
+        self.calls.append(("score", text_1, text_2))
+        pairs = [(text_1, t) for t in text_2] if isinstance(text_1, str) else list(zip(text_1, text_2))
+        return [SimpleNamespace(outputs=SimpleNamespace(score=1.0 / (1 + abs(len(a) - len(b)))), prompt_token_ids=[0] * (len(a) + len(b)))
+                for a, b in pairs]
+
+    def _params(self, overrides: Any) -> Any:
+        raise RuntimeError("boom: an unexpected failure inside the fake")
+
+
+def _client(supports: set[str]) -> tuple[TestClient, FakePoolingLLM]:
+    llm = FakePoolingLLM(supports)
+    return TestClient(create_app([ServedModel("fake", llm, 4)], ServerConfig()), raise_server_exceptions=False), llm
+
+
+def test_embeddings_float_and_base64() -> None:
+    c, llm = _client({"embed"})
+    r = c.post("/v1/embeddings", json={"model": "fake", "input": ["ab", "abcd"]})
+    assert r.status_code == 200
+    body = r.json()
+    assert [d["embedding"] for d in body["data"]] == [[2.0, 1.0, 0.0], [4.0, 1.0, 0.0]]
+    assert [d["index"] for d in body["data"]] == [0, 1] and body["usage"]["prompt_tokens"] == 6
+    r = c.post("/v1/embeddings", json={"input": "abc", "encoding_format": "base64"})
+    raw = base64.b64decode(r.json()["data"][0]["embedding"])
+    assert list(struct.unpack("<3f", raw)) == [3.0, 1.0, 0.0]
+    assert llm.calls[-1][1] == ["abc"]
+
+
+def test_embeddings_refused_with_the_backends_reason() -> None:
+    c, _ = _client(set())
+    r = c.post("/v1/embeddings", json={"input": "abc"})
+    assert r.status_code == 400
+    assert "fakepool has no embed (fake)" in r.json()["error"]["message"]
+
+
+def test_score_and_rerank_shapes() -> None:
+    c, _ = _client({"score"})
+    r = c.post("/v1/score", json={"text_1": "abc", "text_2": ["abc", "a"]})
+    assert [d["score"] for d in r.json()["data"]] == [1.0, pytest.approx(1 / 3)]
+    r = c.post("/v1/rerank", json={"query": "abc", "documents": ["a", "abc", "ab"], "top_n": 2})
+    results = r.json()["results"]
+    assert [x["index"] for x in results] == [1, 2]
+    assert results[0]["document"] == {"text": "abc"}
+    r = c.post("/v1/score", json={"text_1": ["a", "b"], "text_2": ["a", "b", "c"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text_1"
+
+
+def test_an_unexpected_failure_is_500_without_a_traceback() -> None:
+    c, _ = _client(set())
+    r = c.post("/v1/completions", json={"prompt": "hi"})
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "server_error"
+    assert "Traceback" not in err["message"] and "boom" not in err["message"]
