@@ -80,6 +80,29 @@ def _check_structured_output(llm: LLM) -> None:
     assert out.outputs[0].text in ("yes", "no")
 
 
+def _embedding_llm() -> LLM:
+    path = os.environ.get("LMDOCK_EMBED_MODEL")
+    assert path, "set LMDOCK_EMBED_MODEL to an embedding model folder (scripts/test.sh takes all-MiniLM-L6-v2's)"
+    return LLM(path, backend=BACKEND)
+
+
+def _check_embed(llm: LLM) -> None:
+    with _embedding_llm() as e:
+        out = e.embed(["a cat sits", "a kitten is sitting"])
+    assert len(out) == 2 and len(out[0].outputs.embedding) > 1
+
+
+def _check_score(llm: LLM) -> None:
+    with _embedding_llm() as e:
+        scores = [o.outputs.score for o in e.score("a cat sits", ["a kitten is sitting", "stock market crash"])]
+    assert scores[0] > scores[1]
+
+
+def _check_offload(llm: LLM) -> None:
+    with LLM(MODEL, backend=BACKEND, offload={"weights_gpu_percent": 0, "weights_cpu_percent": 0}) as o:
+        assert o.generate(PROMPT, {"temperature": 0, "max_new_tokens": 4})[0].outputs[0].token_ids
+
+
 CHECKS = {
     "generate": _check_generate,
     "chat": _check_chat,
@@ -91,6 +114,9 @@ CHECKS = {
     "beam_search": _check_beam_search,
     "structured_output": _check_structured_output,
     "quantization": lambda llm: None,  # each declared algorithm is loaded below
+    "embed": _check_embed,
+    "score": _check_score,
+    "offload": _check_offload,
 }
 
 
