@@ -41,13 +41,12 @@ SPEC = BackendSpec(
     name="hf",
     kind="step",
     plugin_api="1.0",
-    supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search"}),
+    supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search", "offload"}),
     lacks={
         "structured_output": "lmdock's own sampler has no grammar engine yet (vLLM's backend has structured output)",
         "embed": "embedding models are not wired into lmdock-hf yet",
         "score": "scoring is not wired into lmdock-hf yet",
         "quantization": "no QuantConfig algorithm is implemented in lmdock-hf yet",
-        "offload": "OffloadPolicy is not implemented in lmdock-hf yet",
     },
     requires=("torch", "transformers"),
     package="lmdock-hf",
@@ -84,8 +83,10 @@ def lmdock_translate_build_config(backend: str, model_config: ModelConfig) -> di
 def lmdock_load_engine(backend: str, model_config: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> Any:
     if backend != "hf":
         return None
-    if model_config.offload.enabled:
-        raise lmdock.UnsupportedError("lmdock-hf does not implement OffloadPolicy yet; remove [offload]")
+    if model_config.offload.enabled:  # FlexLLMGen's schedule: layers streamed from disk (docs/backends/hf.md)
+        from lmdock_hf._offload import OffloadStepEngine
+
+        return OffloadStepEngine.load_offloaded(model_config, options, build)
     from lmdock_hf._engine import HFStepEngine
 
     return HFStepEngine.load(model_config, options, build)
