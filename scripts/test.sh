@@ -53,6 +53,9 @@ hf=$(fresh_env hf)
 "$hf" -m pip install -q ./core ./plugins/hf ./conformance_tests $TEST_TOOLS
 t "$hf" plugins/hf/tests core/tests/test_import.py
 t "$hf" --pyargs lmdock_conformance --lmdock-backend=hf --lmdock-model="$LMDOCK_MODELS/stories260K" -rs
+# OffloadPolicy: every decoder layer streamed from the on-disk layout (docs/backends/hf.md)
+LMDOCK_CACHE_DIR="$ENVS/hf-cache" t "$hf" --pyargs lmdock_conformance --lmdock-backend=hf --lmdock-model="$LMDOCK_MODELS/stories260K" -rs \
+  --lmdock-options='{"offload": {"weights_gpu_percent": 0, "weights_cpu_percent": 0}}'
 
 echo "== trtllm: lmdock + lmdock-trtllm (no TensorRT-LLM: API-contract tests)"
 trt=$(fresh_env trtllm)
