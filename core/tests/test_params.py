@@ -58,10 +58,17 @@ def test_invalid_portable_values_name_the_field(cls: type, field: str, value: ob
         cls(**{field: value})
 
 
-def test_offload_to_disk_needs_a_folder() -> None:
-    with pytest.raises(ValueError, match="offload_dir"):
-        OffloadPolicy(weights_gpu_percent=50, weights_cpu_percent=20)
-    assert OffloadPolicy(weights_gpu_percent=50, weights_cpu_percent=20, offload_dir="/tmp/x").enabled
+def test_offload_policy_validates_and_reports_the_disk_share() -> None:
+    with pytest.raises(ValueError, match="weights_cpu_percent"):
+        OffloadPolicy(weights_gpu_percent=50, weights_cpu_percent=60)
+    with pytest.raises(ValueError, match="compress_group_size"):
+        OffloadPolicy(compress_group_size=63)
+    with pytest.raises(ValueError, match="memory_budget_gib"):
+        OffloadPolicy(memory_budget_gib=0)
+    policy = OffloadPolicy(weights_gpu_percent=50, weights_cpu_percent=20)  # offload_dir defaults to the cache
+    assert policy.enabled and policy.disk_percent == 30
+    assert not OffloadPolicy().enabled
+    assert OffloadPolicy(compress_weight=True).enabled
 
 
 def test_structured_output_takes_exactly_one_constraint() -> None:

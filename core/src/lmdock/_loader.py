@@ -141,7 +141,9 @@ def _load_one(spec: BackendSpec, mc: ModelConfig, registry: Any) -> RequestEngin
 def _wrap_step_engine(engine: Any, spec: BackendSpec, mc: ModelConfig, hook: Any) -> RequestEngine:
     from lmdock._engine.runner import StepRunner
 
-    scheduler = hook.lmdock_make_scheduler(config=mc.scheduler, max_seq_len=engine.max_seq_len, kv_capacity_tokens=engine.kv_capacity_tokens)
+    # an engine may narrow the scheduler's limits (lmdock-hf's OffloadPolicy picks the batch it streams for)
+    config = mc.scheduler.replace(**limits) if (limits := getattr(engine, "scheduler_limits", None)) else mc.scheduler
+    scheduler = hook.lmdock_make_scheduler(config=config, max_seq_len=engine.max_seq_len, kv_capacity_tokens=engine.kv_capacity_tokens)
     if scheduler is None:
         engine.close()
         raise ConfigError(f"no plugin provides scheduling policy {mc.scheduler.policy!r}", source=mc.source, key="scheduler.policy")

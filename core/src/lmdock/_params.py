@@ -260,15 +260,31 @@ class SchedulerConfig(_Replaceable):
 
 @dataclass(frozen=True)
 class OffloadPolicy(_Replaceable):
-    """Where weights and KV cache live, FlexLLMGen-style percentages; the rest goes to the next tier.
+    """Where weights and KV cache live, and how they are compressed: FlexLLMGen's ``Policy`` with
+    portable names (docs/backends/hf.md maps one onto the other).
 
     Weights: ``weights_gpu_percent`` on the accelerator, ``weights_cpu_percent`` in RAM, the rest on
-    disk under ``offload_dir``.
+    disk, under ``offload_dir`` (default: lmdock's cache, ``$LMDOCK_CACHE_DIR`` or
+    ``~/.cache/lmdock``) and streamed layer by layer.  On a machine without an accelerator the
+    accelerator share is RAM too.  KV cache: ``kv_cache_gpu_percent`` on the accelerator, the rest in
+    RAM.  ``compress_weight`` / ``compress_cache`` store weights / KV group-wise quantized to 4 bits
+    (``compress_group_size`` values per group, FlexLLMGen's 64).  ``prefetch`` overlaps reading the
+    next layer with computing the current one.  ``memory_budget_gib``, when set, lets the backend pick
+    the placement and the batch itself from a cost model, and say what it chose; ``batch_size`` is
+    the most sequences that pass through each layer together (FlexLLMGen's
+    ``gpu_batch_size * num_gpu_batches``; None: the scheduler's ``max_num_seqs``).
     """
 
     weights_gpu_percent: float = 100.0
     weights_cpu_percent: float = 0.0
     offload_dir: str | None = None
+    kv_cache_gpu_percent: float = 100.0
+    compress_weight: bool = False
+    compress_cache: bool = False
+    compress_group_size: int = 64
+    prefetch: bool = True
+    memory_budget_gib: float | None = None
+    batch_size: int | None = None
 
     def __post_init__(self) -> None:
         _range("weights_gpu_percent", self.weights_gpu_percent, 0.0, 100.0)
@@ -276,13 +292,29 @@ class OffloadPolicy(_Replaceable):
         total = self.weights_gpu_percent + self.weights_cpu_percent
         check(total <= 100.0, "weights_cpu_percent",
               f"weights_gpu_percent + weights_cpu_percent must be <= 100, got {total}")
-        if total < 100.0:
-            check(self.offload_dir is not None, "offload_dir",
-                  f"{100 - total:g}% of the weights go to disk: set offload_dir to a folder")
+        _range("kv_cache_gpu_percent", self.kv_cache_gpu_percent, 0.0, 100.0)
+        _int("compress_group_size", self.compress_group_size, 2, optional=False)
+        check(self.compress_group_size % 2 == 0, "compress_group_size",
+              f"must be even (two 4-bit values per byte), got {self.compress_group_size}")
+        _range("memory_budget_gib", self.memory_budget_gib, 0.0, lo_open=True)
+        _int("batch_size", self.batch_size, 1)
+
+    @property
+    def disk_percent(self) -> float:
+        """The share of the weights kept on disk."""
+        return max(0.0, 100.0 - self.weights_gpu_percent - self.weights_cpu_percent)
 
     @property
     def enabled(self) -> bool:
-        return self.weights_gpu_percent < 100.0
+        """True when anything differs from "everything resident on the accelerator"."""
+        return (
+            self.weights_gpu_percent < 100.0
+            or self.kv_cache_gpu_percent < 100.0
+            or self.compress_weight
+            or self.compress_cache
+            or self.memory_budget_gib is not None
+            or self.batch_size is not None
+        )
 
 
 @dataclass(frozen=True)

@@ -42,11 +42,10 @@ SPEC = BackendSpec(
     kind="step",
     plugin_api="1.0",
     supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search",
-                        "embed", "score"}),
+                        "embed", "score", "offload"}),
     lacks={
         "structured_output": "lmdock's own sampler has no grammar engine yet (vLLM's backend has structured output)",
         "quantization": "no QuantConfig algorithm is implemented in lmdock-hf yet",
-        "offload": "OffloadPolicy is not implemented in lmdock-hf yet",
     },
     requires=("torch", "transformers"),
     package="lmdock-hf",
@@ -83,8 +82,10 @@ def lmdock_translate_build_config(backend: str, model_config: ModelConfig) -> di
 def lmdock_load_engine(backend: str, model_config: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> Any:
     if backend != "hf":
         return None
-    if model_config.offload.enabled:
-        raise lmdock.UnsupportedError("lmdock-hf does not implement OffloadPolicy yet; remove [offload]")
+    if model_config.offload.enabled:  # FlexLLMGen's schedule: layers streamed from disk (docs/backends/hf.md)
+        from lmdock_hf._offload import OffloadStepEngine
+
+        return OffloadStepEngine.load_offloaded(model_config, options, build)
     from lmdock.backend import read_pooling_config
 
     pooling = read_pooling_config(model_config.model)
