@@ -88,14 +88,13 @@ def worker_lmdock(model: str, tokens: int) -> dict[str, Any]:
     result = {}
     with LLM(model, backend="llamacpp", backends={"llamacpp": options}) as llm:
         for batch in BATCHES:
-            seconds = _best(lambda: llm.generate([PROMPT] * batch, params, use_tqdm=False))
+            seconds = _best(lambda batch=batch: llm.generate([PROMPT] * batch, params, use_tqdm=False))
             result[str(batch)] = batch * tokens / seconds
     return result
 
 
 def worker_raw(model: str, tokens: int) -> dict[str, Any]:
     import llama_cpp as lc
-
     from lmdock_llamacpp._engine import physical_cores, set_verbose
 
     set_verbose(False)
@@ -154,7 +153,6 @@ def worker_raw(model: str, tokens: int) -> dict[str, Any]:
 
 def worker_highlevel(model: str, tokens: int) -> dict[str, Any]:
     from llama_cpp import Llama
-
     from lmdock_llamacpp._engine import physical_cores
 
     kv = 0 if _kv(model) == "f32" else 1

@@ -109,9 +109,14 @@ def load(mc: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]
     return engine
 
 
+def _ftype(model: Any) -> int:
+    # files without general.file_type (older conversions) get a guessed type, flagged with 1024
+    return lc.llama_model_ftype(model) & ~1024
+
+
 def file_type_name(model: Any) -> str:
     """The GGUF's file type as llama.cpp names it (F32, Q8_0, Q4_K_M...)."""
-    ftype = lc.llama_model_ftype(model)
+    ftype = _ftype(model)
     names = {v: k[len("LLAMA_FTYPE_"):].removeprefix("MOSTLY_").removeprefix("ALL_")
              for k, v in vars(lc).items() if k.startswith("LLAMA_FTYPE_") and isinstance(v, int) and k != "LLAMA_FTYPE_GUESSED"}
     return names.get(ftype, f"ftype {ftype}")
@@ -120,7 +125,7 @@ def file_type_name(model: Any) -> str:
 def check_quantization(model: Any, path: Path, quantization: Any) -> str:
     """The file's type; with ``checkpoint_prequantized``, refuse a file that is not quantized."""
     name = file_type_name(model)
-    if quantization and quantization.get("prequantized") and lc.llama_model_ftype(model) in _FLOAT_FTYPES:
+    if quantization and quantization.get("prequantized") and _ftype(model) in _FLOAT_FTYPES:
         raise UnsupportedError(
             f"checkpoint_prequantized = true (quantization {quantization['algo']!r}), but {path.name} holds {name} weights, "
             f"not quantized ones: quantize it with `llama-quantize {path.name} {path.stem}-q8_0.gguf Q8_0` and load that"
@@ -166,7 +171,7 @@ class _Batch:
             embd=None,
             pos=self.pos.ctypes.data_as(ctypes.POINTER(lc.llama_pos)),
             n_seq_id=self.n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
-            seq_id=self.seq_ptrs,
+            seq_id=ctypes.cast(self.seq_ptrs, ctypes.POINTER(ctypes.POINTER(lc.llama_seq_id))),
             logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
         )
 
@@ -211,9 +216,10 @@ class LlamaCppStepEngine:
         cp.n_threads_batch = options.n_threads_batch or threads
         float_file = self.file_type == "F32"
         kv = build.get("kv_type") or ("f32" if float_file else "f16")
-        cp.type_k = _GGML_TYPES[options.type_k or kv]
-        cp.type_v = _GGML_TYPES[options.type_v or kv]
-        cp.flash_attn_type = _FLASH[options.flash_attn]
+        type_k, type_v = options.type_k or kv, options.type_v or kv
+        cp.type_k, cp.type_v = _GGML_TYPES[type_k], _GGML_TYPES[type_v]
+        flash = options.flash_attn or ("off" if type_k == type_v == "f32" else "auto")
+        cp.flash_attn_type = _FLASH[flash]
         cp.no_perf = True
         ctx = lc.llama_init_from_model(self.model, cp)
         if not ctx:
