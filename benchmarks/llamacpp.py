@@ -10,7 +10,7 @@ q8_0, flash attention left to llama.cpp):
 * ``Llama.generate``: llama-cpp-python's high-level API, greedy (top_k=1), batch 1 only (it runs one
   sequence).
 Workloads: batch 1 and batch 8 (the prompt "Once upon a time" eight times), greedy, EOS ignored, 128
-new tokens per sequence, prefill included; best of 3 timed runs after one warm-up.
+new tokens per sequence, prefill included; best of 3 timed runs after one warm-up (``LMDOCK_BENCH_REPEAT``).
 Model: the random-weight Llama of about 100M parameters (``benchmarks/_common.py``), converted to GGUF
 f32 and q8_0 with the ``convert_hf_to_gguf.py`` vendored in llama-cpp-python's sdist (cached).
 Run: ``HF_HUB_OFFLINE=1 python benchmarks/llamacpp.py --convert PATH/convert_hf_to_gguf.py [--tokens 128]``
@@ -71,7 +71,7 @@ def _kv(model: str) -> str:
 
 def _best(run: Any) -> float:
     run()  # warm-up
-    return min(_time(run) for _ in range(3))
+    return min(_time(run) for _ in range(int(os.environ.get("LMDOCK_BENCH_REPEAT", "3"))))
 
 
 def _time(run: Any) -> float:
