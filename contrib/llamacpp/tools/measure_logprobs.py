@@ -16,8 +16,10 @@ for fa in ("auto", "off", "on"):
         top = max(float(np.abs(np.array(g)[[t for t, _ in i["top"]]] - np.array([v for _, v in i["top"]])).max()) if "top" in i else 0 for g, i in zip(got, ref["next_token"]))
         ids = ref["prompt_ids"]
         out = llm.generate(ref["prompt"], SamplingParams(temperature=0, max_new_tokens=20, logprobs=5))[0].outputs[0]
-        n = len(ids); gen = 0.0
+        n = len(ids)
+        gen = 0.0
         for j, pos in enumerate(out.logprobs):
-            r = ref["positions"][n - 1 + j]; rt = dict(r["top"])
+            r = ref["positions"][n - 1 + j]
+            rt = dict(r["top"])
             gen = max(gen, abs(pos[out.token_ids[j]].logprob - r["logprob"]), *(abs(lp.logprob - rt[t]) for t, lp in pos.items() if t in rt))
         print(f"flash_attn={fa}: full next-token vectors max |err| {full:.2e}; generated tokens' top-5 max |err| {gen:.2e}")
