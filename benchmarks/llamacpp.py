@@ -178,13 +178,13 @@ def main() -> None:
     parser.add_argument("--model")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--convert", help="convert_hf_to_gguf.py from llama-cpp-python's sdist (vendor/llama.cpp)")
-    parser.add_argument("--files", nargs="*", help="GGUF files to use instead of converting (f32 first, then q8_0)")
+    parser.add_argument("--files", nargs="*", help="GGUF files to use instead of converting (q8_0 in the name: the q8_0 one)")
     args = parser.parse_args()
     if args.worker:
         print("RESULT " + json.dumps(WORKERS[args.worker](args.model, args.tokens)), flush=True)
         return
     common = _common()
-    files = dict(zip(("f32", "q8_0"), map(Path, args.files))) if args.files else gguf_files(args.convert)
+    files = {("q8_0" if "q8_0" in Path(f).name else "f32"): Path(f) for f in args.files} if args.files else gguf_files(args.convert)
     rows = []
     for kind, path in files.items():
         res = {side: common.spawn(__file__, side, path, args.tokens) for side in ("raw", "lmdock", "highlevel")}
