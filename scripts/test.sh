@@ -13,6 +13,7 @@
 #              test tool (its model builder makes a folder the plugin must load as it is).  onnx-ir is a
 #              runtime need of the plugin (onnxruntime's int4/int8 MatMulNBits quantizer imports it), so
 #              the export extra carries it; it is never a test tool here, which once hid its absence
+#   llamacpp : lmdock + lmdock-llamacpp (llama-cpp-python compiled from its sdist), on stories260K.gguf
 #   trtllm   : lmdock + lmdock-trtllm (TensorRT-LLM itself cannot be installed here: translation tests
 #              against ../shared/api-contracts; its conformance run skips, needing an NVIDIA GPU)
 # Each backend environment also holds lmdock-conformance and runs the shared suite on stories260K.
@@ -119,6 +120,16 @@ mlx=$(fresh_env mlx)
 "$mlx" -m pip install -q ./core ./plugins/mlx ./conformance_tests $TEST_TOOLS
 t "$mlx" plugins/mlx/tests
 t "$mlx" --pyargs lmdock_conformance --lmdock-backend=mlx --lmdock-model="$LMDOCK_MODELS/stories260K" -rs
+
+echo "== llamacpp: lmdock + lmdock-llamacpp (llama-cpp-python, built from its sdist)"
+llamacpp_t0=$(date +%s)
+lcpp=$(fresh_env llamacpp)
+# llama-cpp-python is an sdist: pip compiles llama.cpp (cmake, gcc; ~5 min on 2 cores, then from pip's
+# wheel cache). -DGGML_NATIVE=OFF: a portable AVX2 build, not one tuned to the CI machine.
+CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" "$lcpp" -m pip install -q ./core ./contrib/llamacpp ./conformance_tests $TEST_TOOLS
+echo "llamacpp environment installed in $(( $(date +%s) - llamacpp_t0 )) s"
+t "$lcpp" contrib/llamacpp/tests
+t "$lcpp" --pyargs lmdock_conformance --lmdock-backend=llamacpp --lmdock-model="$LMDOCK_MODELS/stories260K-gguf/stories260K.gguf" -rs
 
 # One closing line for all runs (pytest prints one per run); it must stay the last line printed.
 echo "test.sh finished in $(( $(date +%s) - started )) s"

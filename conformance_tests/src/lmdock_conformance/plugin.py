@@ -123,6 +123,8 @@ def reference(lmdock_setup: Setup) -> dict[str, Any]:
     """The recorded facts for stories260K (greedy tokens from ../shared/models/README.md, and
     transformers float32 logprobs); tests that need them skip for other models."""
     model = Path(lmdock_setup.model or "")
+    if _is_stories_gguf(model):
+        return json.loads((PACKAGE_DIR / "data" / "stories260K.json").read_text())
     cfg_path = model / "config.json"
     if not cfg_path.is_file():
         pytest.skip(f"no recorded reference for {lmdock_setup.model!r}: the reference checks need the stories260K folder")
@@ -130,3 +132,20 @@ def reference(lmdock_setup: Setup) -> dict[str, Any]:
     if (cfg.get("vocab_size"), cfg.get("hidden_size"), cfg.get("num_hidden_layers")) != (512, 64, 5):
         pytest.skip(f"no recorded reference for {lmdock_setup.model!r}: the reference checks need stories260K")
     return json.loads((PACKAGE_DIR / "data" / "stories260K.json").read_text())
+
+
+#: SHA-256 of the GGUF conversions of stories260K in ../shared/models/stories260K-gguf (same weights
+#: and vocabulary as the folder the reference was recorded on): a GGUF holds no config.json.
+STORIES_GGUF_SHA256 = {
+    "270cba1bd5109f42d03350f60406024560464db173c0e387d91f0426d3bd256d",  # stories260K.gguf
+    "d46ebfdf179589528870956047ff14ac9e574a5274e25108ea1a4e6b869c3d2d",  # stories260K.transformers-fixed.gguf
+}
+
+
+def _is_stories_gguf(model: Path) -> bool:
+    import hashlib
+
+    files = [model] if model.is_file() else sorted(model.glob("*.gguf")) if model.is_dir() else []
+    if len(files) != 1 or files[0].suffix != ".gguf" or files[0].stat().st_size > 16 << 20:
+        return False
+    return hashlib.sha256(files[0].read_bytes()).hexdigest() in STORIES_GGUF_SHA256

@@ -1,0 +1,344 @@
+"""A llama.cpp context as an lmdock step engine.
+
+One ``llama_decode`` per step.  Each lmdock sequence holds one llama.cpp sequence id, taken from a
+bounded pool (``n_seq_max``) when the sequence first appears and given back on ``release``; the KV
+cache is unified (``kv_unified``), so all sequences share ``n_ctx`` cells and rows at different
+positions decode in one batch, each seeing only its own sequence.  A step asks llama.cpp for the
+logits of the rows the core needs only: the last token of each chunk, or every position of a chunk
+with ``all_logits``.  ``release`` is ``llama_memory_seq_rm``; ``fork`` is ``llama_memory_seq_cp``,
+which shares the cells rather than copying them.
+
+The batch lives in NumPy arrays that the ``llama_batch`` struct points into, one sequence id per
+token, so filling a step is a few slice assignments.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import llama_cpp as lc
+import numpy as np
+from lmdock import BackendError, ModelConfig, UnsupportedError
+from lmdock.backend import SeqChunk, StepOutput
+
+_GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30}
+_FLASH = {"auto": -1, "off": 0, "on": 1}
+#: llama.cpp's file types that are not quantized (LLAMA_FTYPE_ALL_F32, MOSTLY_F16, MOSTLY_BF16)
+_FLOAT_FTYPES = {0: "F32", 1: "F16", 32: "BF16"}
+_SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+_backend_ready = False
+_log_callback: Any = None  # referenced for as long as llama.cpp may call it
+
+
+# -- loading ----------------------------------------------------------------------------------------
+
+
+def gguf_file(model: str) -> Path:
+    """The .gguf file to load: ``model`` itself, or the single one in the folder ``model``."""
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise BackendError(f"{path} is not a .gguf file; lmdock-llamacpp loads GGUF models "
+                               "(convert a transformers checkpoint with llama.cpp's convert_hf_to_gguf.py)")
+        return path
+    if not path.is_dir():
+        raise BackendError(f"{model!r} is neither a .gguf file nor a folder holding one; lmdock-llamacpp does not "
+                           "download: fetch the file first (huggingface-cli download REPO FILE.gguf)")
+    found = sorted(p for p in path.glob("*.gguf") if not p.name.startswith("mmproj"))
+    firsts = [p for p in found if (m := _SPLIT.search(p.name)) is None or m.group(1) == "00001"]
+    if len(firsts) == 1:
+        return firsts[0]
+    if not firsts:
+        raise BackendError(f"{path} holds no .gguf file; point the model at a .gguf file or a folder holding one")
+    raise BackendError(f"{path} holds several GGUF models ({', '.join(p.name for p in firsts)}); "
+                       "point the model at the file to load")
+
+
+def physical_cores() -> int:
+    """Physical cores among the CPUs this process may run on (llama.cpp's own default count)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        base = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(((base / "physical_package_id").read_text().strip(), (base / "core_id").read_text().strip()))
+        except OSError:
+            cores.add(("cpu", str(cpu)))
+    return max(1, len(cores))
+
+
+def set_verbose(verbose: bool) -> None:
+    """llama.cpp's log on stderr (its default), or silenced.  Process-wide, as llama.cpp's log is."""
+    global _log_callback, _backend_ready
+    if verbose:
+        _log_callback = None
+        lc.llama_log_set(None, None)  # llama.cpp's default: stderr
+    else:
+        _log_callback = lc.llama_log_callback(lambda level, text, data: None)
+        lc.llama_log_set(_log_callback, None)
+    if not _backend_ready:
+        lc.llama_backend_init()
+        _backend_ready = True
+
+
+def load(mc: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> LlamaCppStepEngine:
+    path = gguf_file(mc.model)
+    set_verbose(options.verbose)
+    mparams = lc.llama_model_default_params()
+    mparams.use_mmap = options.use_mmap
+    mparams.use_mlock = options.use_mlock
+    layers = options.n_gpu_layers
+    if layers is None:
+        layers = 0 if build.get("device") == "cpu" else -1
+    mparams.n_gpu_layers = layers
+    model = lc.llama_model_load_from_file(str(path).encode(), mparams)
+    if not model:
+        raise BackendError(f"llama.cpp could not load {path} (set verbose = true in [backends.llamacpp] for its log)")
+    try:
+        file_type = check_quantization(model, path, quantization)
+        engine = LlamaCppStepEngine(model, path, options, build, file_type, _tokenizer(mc, model))
+    except BaseException:
+        lc.llama_model_free(model)
+        raise
+    return engine
+
+
+def _ftype(model: Any) -> int:
+    # files without general.file_type (older conversions) get a guessed type, flagged with 1024
+    return lc.llama_model_ftype(model) & ~1024
+
+
+def file_type_name(model: Any) -> str:
+    """The GGUF's file type as llama.cpp names it (F32, Q8_0, Q4_K_M...)."""
+    ftype = _ftype(model)
+    names = {v: k[len("LLAMA_FTYPE_"):].removeprefix("MOSTLY_").removeprefix("ALL_")
+             for k, v in vars(lc).items() if k.startswith("LLAMA_FTYPE_") and isinstance(v, int) and k != "LLAMA_FTYPE_GUESSED"}
+    return names.get(ftype, f"ftype {ftype}")
+
+
+def check_quantization(model: Any, path: Path, quantization: Any) -> str:
+    """The file's type; with ``checkpoint_prequantized``, refuse a file that is not quantized."""
+    name = file_type_name(model)
+    if quantization and quantization.get("prequantized") and _ftype(model) in _FLOAT_FTYPES:
+        raise UnsupportedError(
+            f"checkpoint_prequantized = true (quantization {quantization['algo']!r}), but {path.name} holds {name} weights, "
+            f"not quantized ones: quantize it with `llama-quantize {path.name} {path.stem}-q8_0.gguf Q8_0` and load that"
+        )
+    return name
+
+
+def _tokenizer(mc: ModelConfig, model: Any) -> Any:
+    if mc.tokenizer is None:
+        from lmdock_llamacpp._tokenizer import GgufTokenizer
+
+        return GgufTokenizer(model, lc.llama_model_get_vocab(model))
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise BackendError(f"tokenizer = {mc.tokenizer!r} needs transformers: pip install 'lmdock-llamacpp[hf-tokenizer]'; "
+                           "or remove it to use the GGUF's own vocabulary") from None
+    try:
+        return AutoTokenizer.from_pretrained(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise BackendError(f"lmdock-llamacpp could not load the tokenizer {mc.tokenizer!r}: {exc}") from exc
+
+
+# -- the engine -------------------------------------------------------------------------------------
+
+
+class _Batch:
+    """A ``llama_batch`` whose arrays are NumPy buffers: one sequence id per token."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.token = np.zeros(capacity, dtype=np.int32)
+        self.pos = np.zeros(capacity, dtype=np.int32)
+        self.n_seq_id = np.ones(capacity, dtype=np.int32)
+        self.seq = np.zeros(capacity, dtype=np.int32)
+        self.logits = np.zeros(capacity, dtype=np.int8)
+        base, size = self.seq.ctypes.data, self.seq.itemsize
+        self.seq_ptrs = (ctypes.POINTER(lc.llama_seq_id) * capacity)(
+            *(ctypes.cast(base + i * size, ctypes.POINTER(lc.llama_seq_id)) for i in range(capacity)))
+        self.struct = lc.llama_batch(
+            n_tokens=0,
+            token=self.token.ctypes.data_as(ctypes.POINTER(lc.llama_token)),
+            embd=None,
+            pos=self.pos.ctypes.data_as(ctypes.POINTER(lc.llama_pos)),
+            n_seq_id=self.n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+            seq_id=ctypes.cast(self.seq_ptrs, ctypes.POINTER(ctypes.POINTER(lc.llama_seq_id))),
+            logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+
+
+class LlamaCppStepEngine:
+    """A GGUF model in one llama.cpp context, with a unified KV cache shared by its sequences."""
+
+    def __init__(self, model: Any, path: Path, options: Any, build: dict[str, Any], file_type: str, tokenizer: Any) -> None:
+        self.model = model
+        self.path = path
+        #: The GGUF's type, as llama.cpp names it ("F32", "Q8_0", "Q4_K_M"...).
+        self.file_type = file_type
+        self.tokenizer = tokenizer
+        vocab = lc.llama_model_get_vocab(model)
+        self.vocab_size = lc.llama_vocab_n_tokens(vocab)
+        self.eos_token_ids = tuple(dict.fromkeys(t for t in (lc.llama_vocab_eos(vocab), lc.llama_vocab_eot(vocab)) if t >= 0))
+        self.generation_config: dict[str, Any] = {}
+        self.ctx = self._context(options, build)
+        n_ctx = lc.llama_n_ctx(self.ctx)
+        train = lc.llama_model_n_ctx_train(model)
+        self.max_seq_len = min(n_ctx, train, build.get("max_seq_len") or train)
+        self.kv_capacity_tokens: int | None = n_ctx
+        self.n_batch = lc.llama_n_batch(self.ctx)
+        self._mem = lc.llama_get_memory(self.ctx)
+        self._batch = _Batch(self.n_batch)
+        self._llama_seq: dict[int, int] = {}  # lmdock seq id -> llama.cpp seq id
+        self._length: dict[int, int] = {}  # llama.cpp seq id -> positions held
+        self._free = list(range(self.n_seq_max - 1, -1, -1))  # a stack: low ids first
+
+    def _context(self, options: Any, build: dict[str, Any]) -> Any:
+        cp = lc.llama_context_default_params()
+        train = lc.llama_model_n_ctx_train(self.model)
+        cp.n_ctx = options.n_ctx or build.get("kv_max_tokens") or min(build.get("max_seq_len") or train, train)
+        cp.n_batch = options.n_batch or build.get("max_num_batched_tokens") or 2048
+        cp.n_ubatch = options.n_ubatch or min(cp.n_batch, 512)
+        limit = lc.llama_max_parallel_sequences()
+        self.n_seq_max = options.n_seq_max or min(limit, (build.get("max_num_seqs") or 32) + 32)
+        cp.n_seq_max = self.n_seq_max
+        cp.kv_unified = True
+        threads = options.n_threads or physical_cores()
+        cp.n_threads = threads
+        cp.n_threads_batch = options.n_threads_batch or threads
+        float_file = self.file_type == "F32"
+        kv = build.get("kv_type") or ("f32" if float_file else "f16")
+        type_k, type_v = options.type_k or kv, options.type_v or kv
+        cp.type_k, cp.type_v = _GGML_TYPES[type_k], _GGML_TYPES[type_v]
+        flash = options.flash_attn or ("off" if type_k == type_v == "f32" else "auto")
+        cp.flash_attn_type = _FLASH[flash]
+        cp.no_perf = True
+        ctx = lc.llama_init_from_model(self.model, cp)
+        if not ctx:
+            raise BackendError(f"llama.cpp could not create a context for {self.path.name} (n_ctx={cp.n_ctx}, "
+                               f"n_batch={cp.n_batch}, n_seq_max={cp.n_seq_max}, KV {options.type_k or kv}/{options.type_v or kv}); "
+                               "a quantized V cache needs flash_attn = 'on'. Set verbose = true for llama.cpp's log")
+        return ctx
+
+    # -- the step-engine contract ---------------------------------------------------------------
+
+    def step(self, chunks: Sequence[SeqChunk]) -> StepOutput:
+        total = sum(len(c.token_ids) for c in chunks)
+        if total > self.n_batch:
+            raise BackendError(f"a step of {total} tokens exceeds llama.cpp's n_batch ({self.n_batch}); "
+                               "raise n_batch or lower scheduler.max_num_batched_tokens")
+        b = self._batch
+        taken: list[int] = []  # sequences new in this step: given back if the step fails
+        lasts: list[int] = []  # output row of each chunk's last token
+        spans: list[tuple[int, int, int]] = []  # (seq id, first output row, rows) for all_logits chunks
+        i = out = 0
+        try:
+            for c in chunks:
+                sid = self._seq(c, taken)
+                n = len(c.token_ids)
+                b.token[i : i + n] = c.token_ids
+                b.pos[i : i + n] = np.arange(c.start, c.start + n, dtype=np.int32)
+                b.seq[i : i + n] = sid
+                if c.all_logits:
+                    b.logits[i : i + n] = 1
+                    spans.append((c.seq_id, out, n))
+                    out += n
+                else:
+                    b.logits[i : i + n - 1] = 0
+                    b.logits[i + n - 1] = 1
+                    out += 1
+                lasts.append(out - 1)
+                i += n
+            b.struct.n_tokens = i
+            rc = lc.llama_decode(self.ctx, b.struct)
+            if rc != 0:
+                raise BackendError(self._decode_error(rc, i))
+        except BaseException:
+            for sid in taken:
+                self._drop(sid)
+            raise
+        for c in chunks:
+            self._length[self._llama_seq[c.seq_id]] = c.start + len(c.token_ids)
+        ptr = lc.llama_get_logits(self.ctx)
+        logits = np.ctypeslib.as_array(ptr, shape=(out, self.vocab_size))
+        full = {seq_id: logits[row : row + n].copy() for seq_id, row, n in spans}
+        return StepOutput(logits[lasts], full)  # fancy indexing copies out of llama.cpp's buffer
+
+    def _seq(self, c: SeqChunk, taken: list[int]) -> int:
+        """The llama.cpp sequence id of ``c``; a new one from the pool for a sequence not seen yet.
+        KV positions at or after ``c.start`` are dropped (the core recomputes them)."""
+        sid = self._llama_seq.get(c.seq_id)
+        if sid is None:
+            if c.start != 0:
+                raise BackendError(f"sequence {c.seq_id} starts at position {c.start} but holds no KV state")
+            if not self._free:
+                raise BackendError(f"llama.cpp holds at most n_seq_max = {self.n_seq_max} sequences and all are in use; "
+                                   "raise n_seq_max in [backends.llamacpp] (up to 256) or lower scheduler.max_num_seqs")
+            sid = self._free.pop()
+            self._llama_seq[c.seq_id] = sid
+            self._length[sid] = 0
+            taken.append(sid)
+            return sid
+        held = self._length[sid]
+        if c.start > held:
+            raise BackendError(f"sequence {c.seq_id} continues at position {c.start} but holds {held} positions")
+        if c.start < held:
+            lc.llama_memory_seq_rm(self._mem, sid, c.start, -1)
+            self._length[sid] = c.start
+        return sid
+
+    def _decode_error(self, rc: int, tokens: int) -> str:
+        if rc == 1:
+            return (f"llama.cpp found no room for {tokens} token(s) in its KV cache (n_ctx = {self.kv_capacity_tokens} "
+                    "cells shared by all sequences); raise kv_cache.max_tokens or n_ctx")
+        return f"llama_decode failed with status {rc} on a batch of {tokens} token(s)"
+
+    def _drop(self, sid: int) -> None:
+        lc.llama_memory_seq_rm(self._mem, sid, -1, -1)
+        seq_id = next((k for k, v in self._llama_seq.items() if v == sid), None)
+        if seq_id is not None:
+            del self._llama_seq[seq_id]
+        self._length.pop(sid, None)
+        self._free.append(sid)
+
+    def release(self, seq_id: int) -> None:
+        sid = self._llama_seq.pop(seq_id, None)
+        if sid is None:
+            return
+        lc.llama_memory_seq_rm(self._mem, sid, -1, -1)
+        del self._length[sid]
+        self._free.append(sid)
+
+    def fork(self, src_seq_id: int, dst_seq_id: int, length: int) -> bool:
+        src = self._llama_seq.get(src_seq_id)
+        if src is None or dst_seq_id in self._llama_seq or not self._free or length > self._length[src]:
+            return False
+        dst = self._free.pop()
+        lc.llama_memory_seq_rm(self._mem, dst, -1, -1)
+        lc.llama_memory_seq_cp(self._mem, src, dst, 0, length)
+        self._llama_seq[dst_seq_id] = dst
+        self._length[dst] = length
+        return True
+
+    def num_sequences(self) -> int:
+        return len(self._llama_seq)
+
+    def close(self) -> None:
+        if self.ctx is not None:
+            lc.llama_free(self.ctx)
+            self.ctx = None
+        if self.model is not None:
+            if hasattr(self.tokenizer, "close"):
+                self.tokenizer.close()  # it reads the model's vocabulary
+            lc.llama_model_free(self.model)
+            self.model = None
+        self._llama_seq.clear()
+        self._length.clear()
