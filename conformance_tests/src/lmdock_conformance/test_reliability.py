@@ -16,19 +16,21 @@ PROMPTS = ["Once upon a time", "The cat", "Lily and Tom", "One day", "The sun wa
 
 
 def held(llm: Any) -> int | None:
-    """Sequences the backend holds state for: a step engine's ``num_sequences()``, or a request
-    engine's ``stats()["num_sequences_held"]``; None when the backend reports neither."""
+    """Sequences the backend holds state for on behalf of requests: ``stats()["num_sequences_held"]``
+    (prefix caches hold theirs on purpose and are not counted), else a step engine's
+    ``num_sequences()``; None when the backend reports neither."""
+    stats = getattr(llm.engine, "stats", None)
+    value = stats().get("num_sequences_held") if callable(stats) else None
+    if value is not None:
+        return int(value)
     inner = getattr(llm.engine, "engine", None)
     if inner is not None and callable(getattr(inner, "num_sequences", None)):
         return int(inner.num_sequences())
-    stats = getattr(llm.engine, "stats", None)
-    value = stats().get("num_sequences_held") if callable(stats) else None
-    return None if value is None else int(value)
+    return None
 
 
 def assert_nothing_held(llm: Any, lmdock_setup: Any, timeout: float = 10.0) -> None:
-    if lmdock_setup.spec.capability("next_token_logprobs")[0]:
-        llm.clear_cache()  # the prefix cache holds KV state on purpose
+    llm.clear_cache()  # the prefix caches hold KV state on purpose
     deadline = time.time() + timeout
     while True:
         n = held(llm)

@@ -386,8 +386,11 @@ class LLM:
         return np.stack([f.result() for f in futures])
 
     def clear_cache(self) -> None:
-        """Drop the next-token-logprobs prefix cache and the KV state it holds."""
-        self._logprob_engine().clear_cache()
+        """Drop the prefix caches (next-token logprobs, and automatic prefix caching of prompts) and
+        the KV state they hold.  A no-op for engines that keep no such cache."""
+        clear = getattr(self.engine, "clear_cache", None)
+        if clear is not None:
+            clear()
 
 
     # -- embeddings and scoring (furiosa-llm's / vLLM's embed and score) -----------------------

@@ -159,7 +159,7 @@ def _wrap_step_engine(engine: Any, spec: BackendSpec, mc: ModelConfig, hook: Any
             out += [named_processor(proc, impl.plugin_name) for proc in group or ()]
         return out
 
-    return StepRunner(engine, scheduler, sampler, processors_for)
+    return StepRunner(engine, scheduler, sampler, processors_for, prefix_caching=mc.kv_cache.enable_prefix_caching)
 
 
 def sampling_dict(value: Any) -> dict[str, Any]:

@@ -67,3 +67,71 @@ class PrefixCache:
         self._kv.clear()
         self.root = _Node()
         return held
+
+
+class _PNode:
+    __slots__ = ("children", "holders")
+
+    def __init__(self) -> None:
+        self.children: dict[int, _PNode] = {}
+        self.holders: set[int] = set()  # cached sequences whose prompt passes through this node
+
+
+class PromptCache:
+    """Automatic prefix caching for generate requests: a trie over the prompts of recent requests,
+    each cached prompt's KV state held by an engine sequence forked from it.  A new prompt forks the
+    KV state of the longest prefix it shares with any cached prompt and computes only the rest.
+    Bounded; least recently used go first; every entry is dropped when the scheduler has to preempt."""
+
+    def __init__(self, max_entries: int = 16) -> None:
+        self.max_entries = max_entries
+        self.root = _PNode()
+        self._entries: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # seq_id -> prompt, LRU first
+        self.hit_tokens = 0
+        self.lookups = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, tokens: Sequence[int]) -> tuple[int | None, int]:
+        """``(a cached sequence sharing the longest prefix with tokens, that prefix's length)``."""
+        self.lookups += 1
+        node, best, depth = self.root, None, 0
+        for i, tok in enumerate(tokens):
+            node = node.children.get(tok)  # type: ignore[assignment]
+            if node is None or not node.holders:
+                break
+            best, depth = next(iter(node.holders)), i + 1
+        if best is not None:
+            self._entries.move_to_end(best)
+        return best, depth
+
+    def insert(self, tokens: Sequence[int], seq_id: int) -> list[int]:
+        """Cache ``seq_id`` (whose KV state covers exactly ``tokens``); return sequences to release."""
+        node = self.root
+        for tok in tokens:
+            node = node.children.setdefault(tok, _PNode())
+            node.holders.add(seq_id)
+        self._entries[seq_id] = tuple(tokens)
+        evicted = []
+        while len(self._entries) > self.max_entries:
+            evicted.append(self._remove(next(iter(self._entries))))
+        return evicted
+
+    def _remove(self, seq_id: int) -> int:
+        tokens = self._entries.pop(seq_id)
+        node = self.root
+        for tok in tokens:
+            child = node.children[tok]
+            child.holders.discard(seq_id)
+            if not child.holders:
+                del node.children[tok]
+                break
+            node = child
+        return seq_id
+
+    def clear(self) -> list[int]:
+        held = list(self._entries)
+        self._entries.clear()
+        self.root = _PNode()
+        return held

@@ -33,6 +33,7 @@ from lmdock._contract import EngineRequest, OutputSink, SeqChunk, StepEngine
 from lmdock._engine.beam import UNSUPPORTED_WITH_BEAMS, beam_choices
 from lmdock._engine.constraints import apply_masks
 from lmdock._engine.output import OutputProcessor
+from lmdock._engine.prefix_cache import PromptCache
 from lmdock._engine.queries import Queries
 from lmdock._engine.sampler import LogitsProcessor, Sample, Sampler, log_softmax
 from lmdock._engine.scheduler import Scheduler
@@ -63,6 +64,7 @@ class StepRunner:
         *,
         max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
         constraints_for: Callable[[Any, int], Sequence[Any] | None] | None = None,
+        prefix_caching: bool = False,
     ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
@@ -72,6 +74,9 @@ class StepRunner:
         self.sampler = sampler
         self.output = OutputProcessor(engine.tokenizer, engine.eos_token_ids, engine.max_seq_len)
         self.queries = Queries(engine, scheduler, self._new_seq_id, self._release)
+        #: automatic prefix caching of generate prompts (``kv_cache.enable_prefix_caching``); turned off
+        #: for good the first time the engine cannot fork
+        self.prompt_cache: PromptCache | None = PromptCache() if prefix_caching else None
         self._processors_for = processors_for
         #: ``constraints_for(params, n)``: one structured-output constraint per completion, or None
         #: (``lmdock._engine.constraints``); None here: requests with structured_output are refused
@@ -152,9 +157,16 @@ class StepRunner:
             "num_sequences_waiting": len(waiting),
             "kv_cache_usage_perc": (sum(s.num_computed for s in running) / capacity) if capacity else 0.0,
             "num_preemptions_total": self._preemptions,
-            "num_sequences_held": held() if callable(held) else None,
+            # sequences held for requests; the prefix caches hold theirs on purpose
+            "num_sequences_held": (held() - self._cache_held()) if callable(held) else None,
+            "num_sequences_cached": self._cache_held(),
+            "prefix_cache_hit_tokens": self.prompt_cache.hit_tokens if self.prompt_cache is not None else 0,
             "dead": self._dead is not None,
         }
+
+    def _cache_held(self) -> int:
+        n = len(self.queries.cache._kv)
+        return n + (len(self.prompt_cache) if self.prompt_cache is not None else 0)
 
     def _post(self, kind: str, item: Any) -> None:
         with self._cv:
@@ -275,6 +287,7 @@ class StepRunner:
         else:  # "clear"
             try:
                 self.queries.clear()
+                self._drop_prompt_cache()
                 item.set_result(None)
             except Exception as exc:
                 item.set_exception(exc)
@@ -289,12 +302,14 @@ class StepRunner:
             req.seqs.append(Seq(self._new_seq_id(), req, index, self.engine))
         # n > 1: the prompt is prefilled once; the other completions fork its KV state (_fan_out)
         req.followers = req.seqs[1:]
+        if self.prompt_cache is not None and request.params.prompt_logprobs is None:
+            self._reuse_prefix(req.seqs[0])
         try:
             for seq in req.seqs[:1]:
                 self.scheduler.add(seq)
         except LmdockError as exc:
             for seq in req.seqs:
-                self.scheduler.remove(seq)
+                self._release(seq)
             safe_fail(sink, exc)
             return
         self._reqs[request.request_id] = req
@@ -361,8 +376,9 @@ class StepRunner:
             self._finish(req, "abort", error=EngineClosedError("the LLM was shut down"))
         try:
             self.queries.clear()
+            self._drop_prompt_cache()
         except Exception:
-            log.exception("clearing the prefix cache failed")
+            log.exception("clearing the prefix caches failed")
 
     # -- one step: the pipeline ---------------------------------------------------------------------
 
@@ -374,6 +390,8 @@ class StepRunner:
             self._die(BackendError(f"the scheduler failed: {type(exc).__name__}: {exc}"))
             return
         # 2. release what was preempted (recomputed later), fail what can never fit
+        if preempted:
+            self._drop_prompt_cache()  # KV pressure: cached prompts go before running sequences do
         for seq in preempted:
             self._preemptions += 1
             self._free(seq)  # the scheduler keeps it, waiting, with nothing computed
@@ -407,6 +425,8 @@ class StepRunner:
                 self._guard(seq, "finishing the query", self.queries.finish, seq, out.last[i])
             else:
                 ready.append(i)
+                if self.prompt_cache is not None and seq.index == 0 and seq.num_output == 0 and not seq.req.cached:
+                    self._cache_prompt(seq)
                 if seq.req.followers:
                     fan += [(f, i) for f in self._fan_out(seq)]
         # 5. beam search
@@ -531,6 +551,49 @@ class StepRunner:
             and start < seq.prompt_len
         )
         return SeqChunk(seq.seq_id, seq.token_ids[start : start + n], start, want_all)
+
+    # -- automatic prefix caching --------------------------------------------------------------------
+
+    def _reuse_prefix(self, seq: Seq) -> None:
+        """Fork the KV state of the longest prefix the prompt shares with a cached one (at least one
+        prompt token is left to compute: its logits start the output)."""
+        assert self.prompt_cache is not None  # noqa: S101
+        src, length = self.prompt_cache.lookup(seq.token_ids)
+        length = min(length, seq.prompt_len - 1)
+        if src is None or length <= 0:
+            return
+        if self.engine.fork(src, seq.seq_id, length):
+            seq.held = True
+            seq.num_computed = length
+            self.prompt_cache.hit_tokens += length
+        else:
+            self._drop_prompt_cache(disable=True)
+
+    def _cache_prompt(self, seq: Seq) -> None:
+        assert self.prompt_cache is not None and seq.req is not None  # noqa: S101
+        seq.req.cached = True
+        cache_id = self._new_seq_id()
+        try:
+            forked = self.engine.fork(seq.seq_id, cache_id, seq.prompt_len)
+        except Exception:
+            log.exception("forking a prompt into the prefix cache failed; prefix caching is off")
+            forked = False
+        if not forked:
+            self._drop_prompt_cache(disable=True)
+            return
+        for old in self.prompt_cache.insert(seq.token_ids[: seq.prompt_len], cache_id):
+            self.engine.release(old)
+
+    def _drop_prompt_cache(self, disable: bool = False) -> None:
+        if self.prompt_cache is None:
+            return
+        for seq_id in self.prompt_cache.clear():
+            try:
+                self.engine.release(seq_id)
+            except Exception:
+                log.exception("the step engine failed to release cached sequence %s", seq_id)
+        if disable:
+            self.prompt_cache = None
 
     def _fan_out(self, first: Seq) -> list[Seq]:
         """The first completion's prompt is computed: the others of its request fork its KV state and
