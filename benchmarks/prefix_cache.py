@@ -3,7 +3,8 @@
 32 requests share a 256-token prefix (a system prompt, a few-shot header) and differ in a 16-token
 suffix; each asks for 16 greedy tokens.  They are submitted together, once with
 ``kv_cache.enable_prefix_caching = false`` and once with it on (the default), each in its own process,
-after the same warm-up request (which, with caching on, is what fills the cache).  Prints the mean and
+after the same warm-up request (with another prefix, so the cache starts cold: the first requests'
+prompts fill it while the later ones wait for admission, as under real load).  Prints the mean and
 p50 time to first token, the total time, the prompt tokens served from the cache, and whether the
 outputs are identical.
 
