@@ -49,7 +49,8 @@ def test_config_reaches_the_engine(llm: LLM) -> None:
     cfg = llm.engine._engine.vllm_config
     assert cfg.cache_config.kv_cache_memory_bytes == 2**30
     assert str(cfg.model_config.dtype) == "torch.float32"
-    assert cfg.model_config.max_logprobs == 8
+    assert cfg.model_config.max_logprobs == -1  # the whole vocabulary, for next-token queries
+    assert llm.engine.max_logprobs == 8  # users' requests are held to the option by the engine
     assert llm.engine.max_seq_len == 512
 
 

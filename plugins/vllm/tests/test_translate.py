@@ -44,9 +44,9 @@ def test_greedy_and_defaults() -> None:
     assert kwargs["output_kind"] == "FINAL_ONLY"
 
 
-def test_beam_search_is_refused_with_a_pointer() -> None:
-    with pytest.raises(UnsupportedError, match="beam_width=4.*hf or mlx"):
-        sampling_kwargs(SamplingParams(beam_width=4), prompt_len=3, max_model_len=512, stream=False)
+def test_max_beam_width_needs_no_engine_argument() -> None:
+    kwargs = engine_kwargs(_mc(build={"max_beam_width": 4}), cpu=True)  # each beam is one vLLM request
+    assert "max_beam_width" not in kwargs and "beam_width" not in str(kwargs)
 
 
 def test_engine_kwargs_are_vllm_engine_args() -> None:
@@ -88,7 +88,6 @@ def test_cpu_build_sizes_the_kv_cache_in_ram_and_runs_float32() -> None:
         ({"kv_cache": {"dtype": "float32"}}, "kv_cache.dtype 'float32'"),
         ({"scheduler": {"policy": "static_batch"}}, "scheduler.policy 'static_batch'"),
         ({"build": {"device": "mps"}}, "build.device 'mps'"),
-        ({"build": {"max_beam_width": 4}}, "max_beam_width"),
         ({"offload": {"weights_gpu_percent": 50, "weights_cpu_percent": 50}}, "cpu_offload_gb"),
     ],
 )
