@@ -8,7 +8,7 @@ Models: stories260K-hd32 (``LMDOCK_MODELS``) and a random-weight Llama of about 
 (``benchmarks/_common.py``, cached under ``~/.cache/lmdock/bench``).
 Scale-out: lmdock-vllm with ``build.tensor_parallel_size = 2`` (two ranks, vLLM's multiprocessing
 executor) against the same lmdock-vllm with one rank, same workloads, same run (``--no-tp`` skips it).
-Run: ``HF_HUB_OFFLINE=1 python benchmarks/vllm.py [--tokens 128] [--stories-only] [--no-tp]``.
+Run: ``HF_HUB_OFFLINE=1 python benchmarks/vllm.py [--tokens 128] [--stories-only] [--no-tp | --tp-only]``.
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--stories-only", action="store_true", help="skip the 100M-parameter model")
     ap.add_argument("--no-tp", action="store_true", help="skip tensor parallel 2 against 1")
+    ap.add_argument("--tp-only", action="store_true", help="only tensor parallel 2 against 1, on the 100M model")
     ap.add_argument("--worker", choices=["vllm", "lmdock", "lmdock-tp2"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -107,8 +108,10 @@ def main() -> None:
     print(f"# {common.machine()}, {build}; {args.tokens} new tokens per request, greedy, EOS ignored, best of 3\n")
     rows, tp_rows = [], []
     for model in models:
-        direct = common.spawn(__file__, "vllm", model, args.tokens)
+        if args.tp_only and model == models[0]:
+            continue
         ours = common.spawn(__file__, "lmdock", model, args.tokens)
+        direct = ours if args.tp_only else common.spawn(__file__, "vllm", model, args.tokens)
         for workload in ("batch 1", "32 requests"):
             rows.append((model.name, workload, f"{ours[workload]:,.0f}", f"{direct[workload]:,.0f}", f"{ours[workload] / direct[workload]:.2f}x"))
         rows.append((model.name, "engine start (s)", f"{ours['start_s']:.1f}", f"{direct['start_s']:.1f}", ""))
@@ -117,7 +120,8 @@ def main() -> None:
             for workload in ("batch 1", "32 requests"):
                 tp_rows.append((model.name, workload, f"{tp2[workload]:,.0f}", f"{ours[workload]:,.0f}", f"{tp2[workload] / ours[workload]:.2f}x"))
             tp_rows.append((model.name, "engine start (s)", f"{tp2['start_s']:.1f}", f"{ours['start_s']:.1f}", ""))
-    print(common.table(rows, ("model", "workload", "lmdock-vllm tok/s", "vllm.LLM tok/s", "ratio")))
+    if not args.tp_only:
+        print(common.table(rows, ("model", "workload", "lmdock-vllm tok/s", "vllm.LLM tok/s", "ratio")))
     if tp_rows:
         print("\n# tensor_parallel_size = 2 against 1 (lmdock-vllm, the same run)\n")
         print(common.table(tp_rows, ("model", "workload", "TP=2 tok/s", "TP=1 tok/s", "ratio")))

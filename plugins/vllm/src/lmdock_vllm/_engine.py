@@ -440,7 +440,7 @@ class _BeamRequest:
     @classmethod
     def make(cls, engine: VllmEngine, request: EngineRequest, sink: OutputSink) -> _BeamRequest:
         p = request.params
-        unhonoured = [name for name, value, default in _BEAM_IGNORES(p) if value != default]
+        unhonoured = [name for name, value, default in _beam_ignored(p) if value != default]
         if unhonoured:
             raise RequestError(
                 f"beam search on vLLM ranks the model's own logprobs: {', '.join(unhonoured)} cannot apply to it; "
@@ -466,7 +466,7 @@ class _BeamRequest:
         return outs
 
 
-def _BEAM_IGNORES(p: Any) -> list[tuple[str, Any, Any]]:  # noqa: N802 - a table
+def _beam_ignored(p: Any) -> list[tuple[str, Any, Any]]:
     """Parameters beam search cannot honour on vLLM, with the value that means "off"."""
     return [
         ("stop", list(p.stop), []),
