@@ -62,9 +62,10 @@ def test_greedy_reference_through_the_plugin(llm: LLM) -> None:
 def test_a_request_vllm_refuses_fails_alone(llm: LLM) -> None:
     params = SamplingParams(temperature=0, max_new_tokens=20)
     good = [llm.generate_async(f"Once upon a time {w}", params) for w in "abc"]
-    bad = llm.generate_async("Once upon a time", SamplingParams(max_new_tokens=5, logprobs=9))  # > max_logprobs 8
-    with pytest.raises(LmdockError, match="logprobs"):
-        bad.result(timeout=120)
+    with pytest.raises(LmdockError, match="max_logprobs"):  # > max_logprobs 8: refused at submit, alone
+        llm.generate_async("Once upon a time", SamplingParams(max_new_tokens=5, logprobs=9)).result(timeout=120)
+    with pytest.raises(LmdockError):  # out of the vocabulary: refused at submit or by vLLM's input check, alone
+        llm.generate_async([1, 512, 3], SamplingParams(max_new_tokens=5)).result(timeout=120)
     assert all(len(f.result(timeout=120).outputs[0].token_ids) == 20 for f in good)
 
 
