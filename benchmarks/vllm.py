@@ -6,7 +6,9 @@ the same KV-cache size.  Workloads: batch 1 (one request) and 32 requests with d
 greedy, EOS ignored, 128 new tokens per request; best of 3 timed runs after one warm-up.
 Models: stories260K-hd32 (``LMDOCK_MODELS``) and a random-weight Llama of about 100M parameters
 (``benchmarks/_common.py``, cached under ``~/.cache/lmdock/bench``).
-Run: ``HF_HUB_OFFLINE=1 python benchmarks/vllm.py [--tokens 128] [--stories-only]``.
+Scale-out: lmdock-vllm with ``build.tensor_parallel_size = 2`` (two ranks, vLLM's multiprocessing
+executor) against the same lmdock-vllm with one rank, same workloads, same run (``--no-tp`` skips it).
+Run: ``HF_HUB_OFFLINE=1 python benchmarks/vllm.py [--tokens 128] [--stories-only] [--no-tp | --tp-only]``.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def prompts(n: int) -> list[str]:
     return [f"{WORDS[i % len(WORDS)]} {'and ' * (i // len(WORDS))}".strip() for i in range(n)]
 
 
-def worker(side: str, model: str, tokens: int) -> dict[str, float]:
+def worker(side: str, model: str, tokens: int) -> dict[str, float]:  # noqa: C901 - one branch per side
     """Load one engine, time both workloads; returns tokens/s by workload."""
     t0 = time.perf_counter()
     if side == "vllm":
@@ -58,8 +60,9 @@ def worker(side: str, model: str, tokens: int) -> dict[str, float]:
     else:
         import lmdock
 
+        tp = 2 if side == "lmdock-tp2" else 1
         llm = lmdock.LLM(
-            model, backend="vllm", build={"dtype": ENGINE["dtype"]}, kv_cache={"enable_prefix_caching": ENGINE["enable_prefix_caching"]},
+            model, backend="vllm", build={"dtype": ENGINE["dtype"], "tensor_parallel_size": tp}, kv_cache={"enable_prefix_caching": ENGINE["enable_prefix_caching"]},
             scheduler={"max_num_seqs": ENGINE["max_num_seqs"], "max_num_batched_tokens": ENGINE["max_num_batched_tokens"]},
         )
         params = lmdock.SamplingParams(temperature=0, max_new_tokens=tokens, ignore_eos=True)
@@ -86,7 +89,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--stories-only", action="store_true", help="skip the 100M-parameter model")
-    ap.add_argument("--worker", choices=["vllm", "lmdock"], help=argparse.SUPPRESS)
+    ap.add_argument("--no-tp", action="store_true", help="skip tensor parallel 2 against 1")
+    ap.add_argument("--tp-only", action="store_true", help="only tensor parallel 2 against 1, on the 100M model")
+    ap.add_argument("--worker", choices=["vllm", "lmdock", "lmdock-tp2"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -101,14 +106,25 @@ def main() -> None:
 
     build = " ".join(installed_build() or ("vllm", "?"))
     print(f"# {common.machine()}, {build}; {args.tokens} new tokens per request, greedy, EOS ignored, best of 3\n")
-    rows = []
+    rows, tp_rows = [], []
     for model in models:
-        direct = common.spawn(__file__, "vllm", model, args.tokens)
+        if args.tp_only and model == models[0]:
+            continue
         ours = common.spawn(__file__, "lmdock", model, args.tokens)
+        direct = ours if args.tp_only else common.spawn(__file__, "vllm", model, args.tokens)
         for workload in ("batch 1", "32 requests"):
             rows.append((model.name, workload, f"{ours[workload]:,.0f}", f"{direct[workload]:,.0f}", f"{ours[workload] / direct[workload]:.2f}x"))
         rows.append((model.name, "engine start (s)", f"{ours['start_s']:.1f}", f"{direct['start_s']:.1f}", ""))
-    print(common.table(rows, ("model", "workload", "lmdock-vllm tok/s", "vllm.LLM tok/s", "ratio")))
+        if not args.no_tp and model != models[0]:  # the 100M model: stories260K is too small to split
+            tp2 = common.spawn(__file__, "lmdock-tp2", model, args.tokens)
+            for workload in ("batch 1", "32 requests"):
+                tp_rows.append((model.name, workload, f"{tp2[workload]:,.0f}", f"{ours[workload]:,.0f}", f"{tp2[workload] / ours[workload]:.2f}x"))
+            tp_rows.append((model.name, "engine start (s)", f"{tp2['start_s']:.1f}", f"{ours['start_s']:.1f}", ""))
+    if not args.tp_only:
+        print(common.table(rows, ("model", "workload", "lmdock-vllm tok/s", "vllm.LLM tok/s", "ratio")))
+    if tp_rows:
+        print("\n# tensor_parallel_size = 2 against 1 (lmdock-vllm, the same run)\n")
+        print(common.table(tp_rows, ("model", "workload", "TP=2 tok/s", "TP=1 tok/s", "ratio")))
 
 
 if __name__ == "__main__":

@@ -49,7 +49,8 @@ def test_config_reaches_the_engine(llm: LLM) -> None:
     cfg = llm.engine._engine.vllm_config
     assert cfg.cache_config.kv_cache_memory_bytes == 2**30
     assert str(cfg.model_config.dtype) == "torch.float32"
-    assert cfg.model_config.max_logprobs == 8
+    assert cfg.model_config.max_logprobs == -1  # the whole vocabulary, for next-token queries
+    assert llm.engine.max_logprobs == 8  # users' requests are held to the option by the engine
     assert llm.engine.max_seq_len == 512
 
 
@@ -61,9 +62,10 @@ def test_greedy_reference_through_the_plugin(llm: LLM) -> None:
 def test_a_request_vllm_refuses_fails_alone(llm: LLM) -> None:
     params = SamplingParams(temperature=0, max_new_tokens=20)
     good = [llm.generate_async(f"Once upon a time {w}", params) for w in "abc"]
-    bad = llm.generate_async("Once upon a time", SamplingParams(max_new_tokens=5, logprobs=9))  # > max_logprobs 8
-    with pytest.raises(LmdockError, match="logprobs"):
-        bad.result(timeout=120)
+    with pytest.raises(LmdockError, match="max_logprobs"):  # > max_logprobs 8: refused at submit, alone
+        llm.generate_async("Once upon a time", SamplingParams(max_new_tokens=5, logprobs=9)).result(timeout=120)
+    with pytest.raises(LmdockError):  # out of the vocabulary: refused at submit or by vLLM's input check, alone
+        llm.generate_async([1, 512, 3], SamplingParams(max_new_tokens=5)).result(timeout=120)
     assert all(len(f.result(timeout=120).outputs[0].token_ids) == 20 for f in good)
 
 

