@@ -135,7 +135,11 @@ def _wrap_step_engine(engine: Any, spec: BackendSpec, mc: ModelConfig, hook: Any
             out += [named_processor(proc, impl.plugin_name) for proc in group or ()]
         return out
 
-    return StepRunner(engine, scheduler, sampler, processors_for)
+    make_constraints = hook.lmdock_make_constraints(backend=spec.name, model_config=mc, tokenizer=engine.tokenizer, vocab_size=engine.vocab_size, eos_token_ids=tuple(engine.eos_token_ids))
+    runner = StepRunner(engine, scheduler, sampler, processors_for, constraints_for=make_constraints)
+    if getattr(make_constraints, "fill_masks", None) is not None:
+        runner._fill_masks = make_constraints.fill_masks  # a whole batch's masks at once
+    return runner
 
 
 def sampling_dict(value: Any) -> dict[str, Any]:

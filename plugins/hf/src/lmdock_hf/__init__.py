@@ -41,9 +41,8 @@ SPEC = BackendSpec(
     name="hf",
     kind="step",
     plugin_api="1.0",
-    supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search"}),
+    supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search", "structured_output"}),
     lacks={
-        "structured_output": "lmdock's own sampler has no grammar engine yet (vLLM's backend has structured output)",
         "embed": "embedding models are not wired into lmdock-hf yet",
         "score": "scoring is not wired into lmdock-hf yet",
         "quantization": "no QuantConfig algorithm is implemented in lmdock-hf yet",
