@@ -156,10 +156,9 @@ def test_logprobs_are_of_the_constrained_distribution(llm: Any) -> None:
 @pytest.mark.requires("stream")
 def test_streaming_ends_with_the_generated_document(llm: Any) -> None:
     params = _params("greedy", {"json": SCHEMAS["flat-required"]})
-    final = None
-    for final in llm.stream("The cat", params):
-        pass
-    assert final is not None and final.finished
+    snapshots = list(llm.stream("The cat", params))
+    final = snapshots[-1]
+    assert final.finished
     assert final.outputs[0].text == llm.generate("The cat", params)[0].outputs[0].text
 
 
