@@ -171,10 +171,11 @@ def lmdock_make_constraints(backend: str, model_config: ModelConfig, tokenizer: 
     """Create the structured-output factory of one step-engine ``LLM`` (a grammar engine).
 
     Called once per step-engine ``LLM``, with the engine's ``tokenizer``, ``vocab_size`` (the
-    width of its logits rows) and ``eos_token_ids`` (allowed where the grammar accepts).  Stops at
-    first non-None result.  The built-in implementation on llguidance (``lmdock._engine.structured``,
-    see ``docs/structured-output.md``) answers last, for every backend; it reads the tokenizer on the
-    first structured request.  A plugin may answer first with another grammar engine.
+    width of its logits rows) and ``eos_token_ids`` (allowed where the grammar accepts).
+    Stops at first non-None result.  The built-in implementation on llguidance
+    (``lmdock._engine.structured``, see ``docs/structured-output.md``) answers last, for every
+    backend; it reads the tokenizer on the first structured request.  A plugin may answer first
+    with another grammar engine.
 
     :return: a callable ``make(params, n)`` returning ``n`` constraints (one per completion, the
         :class:`lmdock._engine.constraints.Constraint` interface: ``allowed(out)``, ``accept(token)``,
