@@ -137,7 +137,7 @@ def test_budget_reached_mid_document_is_length(llm: Any) -> None:
 
 
 @pytest.mark.requires("logprobs")
-def test_logprobs_are_of_the_constrained_distribution(llm: Any) -> None:
+def test_constrained_tokens_carry_all_the_probability(llm: Any) -> None:
     import math
 
     out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_new_tokens=8, logprobs=5, structured_output={"choice": ["yes", "no"]}))[0].outputs[0]
@@ -162,7 +162,7 @@ def test_streaming_ends_with_the_generated_document(llm: Any) -> None:
     assert final.outputs[0].text == llm.generate("The cat", params)[0].outputs[0].text
 
 
-def test_stop_strings_still_apply(llm: Any) -> None:
+def test_a_stop_cuts_a_constrained_output(llm: Any) -> None:
     params = _params("greedy", {"regex": REGEXES[0]})
     full = llm.generate("The cat", params)[0].outputs[0].text
     stop = full.split(" ")[1]
