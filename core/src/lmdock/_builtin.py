@@ -1,4 +1,4 @@
-"""The core's built-in plugin: the FCFS scheduler and the reference sampler.
+"""The core's built-in plugin: the FCFS scheduler, the reference sampler and structured output (llguidance).
 
 Registered like any other plugin, first, so third-party implementations that declare
 ``tryfirst=True`` (or simply answer for their own policy names) take precedence.
@@ -25,3 +25,11 @@ def lmdock_make_sampler(backend: str, model_config: Any) -> Any:
     from lmdock._engine.sampler import ReferenceSampler
 
     return ReferenceSampler()
+
+
+@hookimpl(trylast=True)
+def lmdock_make_constraints(backend: str, model_config: Any, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> Any:
+    # Structured output on llguidance; llguidance itself is imported on the first request that asks.
+    from lmdock._engine.structured import ConstraintFactory
+
+    return ConstraintFactory(tokenizer, vocab_size, eos_token_ids)

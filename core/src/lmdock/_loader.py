@@ -159,7 +159,12 @@ def _wrap_step_engine(engine: Any, spec: BackendSpec, mc: ModelConfig, hook: Any
             out += [named_processor(proc, impl.plugin_name) for proc in group or ()]
         return out
 
-    return StepRunner(engine, scheduler, sampler, processors_for, prefix_caching=mc.kv_cache.enable_prefix_caching)
+    make_constraints = hook.lmdock_make_constraints(backend=spec.name, model_config=mc, tokenizer=engine.tokenizer, vocab_size=engine.vocab_size, eos_token_ids=tuple(engine.eos_token_ids))
+    runner = StepRunner(engine, scheduler, sampler, processors_for, constraints_for=make_constraints,
+                        prefix_caching=mc.kv_cache.enable_prefix_caching)
+    if getattr(make_constraints, "fill_masks", None) is not None:
+        runner._fill_masks = make_constraints.fill_masks  # a whole batch's masks at once
+    return runner
 
 
 def sampling_dict(value: Any) -> dict[str, Any]:

@@ -164,3 +164,23 @@ def lmdock_make_sampler(backend: str, model_config: ModelConfig) -> Sampler | No
 
     :return: an object with the :class:`lmdock.backend.Sampler` interface, or None to decline.
     """
+
+
+@hookspec(firstresult=True)
+def lmdock_make_constraints(backend: str, model_config: ModelConfig, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> Any:
+    """Create the structured-output factory of one step-engine ``LLM`` (a grammar engine).
+
+    Called once per step-engine ``LLM``, with the engine's ``tokenizer``, ``vocab_size`` (the
+    width of its logits rows) and ``eos_token_ids`` (allowed where the grammar accepts).
+    Stops at first non-None result.  The built-in implementation on llguidance
+    (``lmdock._engine.structured``, see ``docs/structured-output.md``) answers last, for every
+    backend; it reads the tokenizer on the first structured request.  A plugin may answer first
+    with another grammar engine.
+
+    :return: a callable ``make(params, n)`` returning ``n`` constraints (one per completion, the
+        :class:`lmdock._engine.constraints.Constraint` interface: ``allowed(out)``, ``accept(token)``,
+        ``is_complete()``) for a request with ``structured_output``, or None for one without; it
+        raises :class:`lmdock.RequestError` naming the problem when a grammar or schema cannot be
+        compiled (that request fails alone).  The callable may carry ``fill_masks(constraints, out)``,
+        which fills a whole batch's boolean masks at once.  Return None to decline.
+    """

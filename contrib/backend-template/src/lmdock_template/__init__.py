@@ -19,9 +19,8 @@ SPEC = lmdock.backend.BackendSpec(
     name="template",
     kind="step",
     plugin_api="1.0",
-    supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search"}),
+    supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search", "structured_output"}),
     lacks={
-        "structured_output": "lmdock's own sampler has no grammar engine yet",
         "embed": "a causal LM only; the template has no pooling head",
         "score": "a causal LM only; the template has no scoring head",
         "quantization": "the reference engine computes in float32 only",

@@ -30,6 +30,11 @@ class Tokenizer:
         self.bos_token_id = self._tok.token_to_id(self.bos_token)
         self.eos_token_id = self._tok.token_to_id(self.eos_token)
 
+    @property
+    def backend_tokenizer(self) -> Any:
+        """The ``tokenizers.Tokenizer`` (as transformers names it): structured output reads its vocabulary."""
+        return self._tok
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 

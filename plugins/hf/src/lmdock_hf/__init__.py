@@ -42,9 +42,8 @@ SPEC = BackendSpec(
     kind="step",
     plugin_api="1.0",
     supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search",
-                        "embed", "score", "offload"}),
+                        "structured_output", "embed", "score", "offload"}),
     lacks={
-        "structured_output": "lmdock's own sampler has no grammar engine yet (vLLM's backend has structured output)",
         "quantization": "no QuantConfig algorithm is implemented in lmdock-hf yet",
     },
     requires=("torch", "transformers"),

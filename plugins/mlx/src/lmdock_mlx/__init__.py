@@ -31,9 +31,8 @@ SPEC = BackendSpec(
     name="mlx",
     kind="step",
     plugin_api="1.0",
-    supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search", "quantization"}),
+    supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search", "structured_output", "quantization"}),
     lacks={
-        "structured_output": "lmdock's own sampler has no grammar engine yet (vLLM's backend has structured output)",
         "embed": "mlx-lm serves causal LMs",
         "score": "mlx-lm serves causal LMs",
         "offload": "MLX keeps weights in unified memory",

@@ -75,10 +75,9 @@ SPEC = BackendSpec(
     name="onnx",
     kind="step",
     plugin_api="1.0",
-    supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search", "quantization",
-                        "embed", "score"}),
+    supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search",
+                        "structured_output", "quantization", "embed", "score"}),
     lacks={
-        "structured_output": "lmdock's own sampler has no grammar engine yet (vLLM's backend has structured output)",
         "offload": "ONNX Runtime holds the whole graph in one session; no OffloadPolicy",
     },
     requires=("onnxruntime", "numpy"),
