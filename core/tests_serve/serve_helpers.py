@@ -33,7 +33,8 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, tmp: Path, server_table: str = "", args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
+    def __init__(self, tmp: Path, server_table: str = "", args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                 extra_models: str = "") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config = tmp / "lmdock.toml"
@@ -41,7 +42,7 @@ class Server:
             f'default_model = "stories"\n\n[server]\nport = {self.port}\n{server_table}\n'
             f'[models.stories]\nmodel = "{models_dir()}"\nbackend = "hf"\n'
             '[models.stories.sampling]\ntemperature = 0.0\nmax_new_tokens = 40\n'
-            '[models.stories.backends.hf]\nnum_threads = 1\n',
+            '[models.stories.backends.hf]\nnum_threads = 1\n' + extra_models,
             encoding="utf-8",
         )
         exe = Path(sys.executable).with_name("lmdock")
