@@ -93,7 +93,7 @@ SPEC = BackendSpec(
     supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "next_token_logprobs",
                         "beam_search", "quantization"}),
     lacks={
-        "structured_output": "lmdock's own sampler has no grammar engine yet (vLLM's backend has structured output)",
+        "structured_output": "the core's llguidance stage needs a Hugging Face tokenizer; llama.cpp's own vocabulary is not wired to it yet",
         "embed": "lmdock-llamacpp runs causal LMs; llama.cpp's embedding mode is not wired up yet",
         "score": "lmdock-llamacpp runs causal LMs; llama.cpp's reranking mode is not wired up yet",
         "offload": "no OffloadPolicy: llama.cpp maps the file (use_mmap) and places layers with n_gpu_layers",

@@ -193,7 +193,8 @@ class LlamaCppStepEngine:
         n_ctx = lc.llama_n_ctx(self.ctx)
         train = lc.llama_model_n_ctx_train(model)
         self.max_seq_len = min(n_ctx, train, build.get("max_seq_len") or train)
-        self.kv_capacity_tokens: int | None = n_ctx
+        # the scheduler keeps to kv_cache.max_tokens where given (llama.cpp rounds n_ctx up to 256)
+        self.kv_capacity_tokens: int | None = min(n_ctx, build.get("kv_max_tokens") or n_ctx)
         self.n_batch = lc.llama_n_batch(self.ctx)
         self._mem = lc.llama_get_memory(self.ctx)
         self._batch = _Batch(self.n_batch)

@@ -93,6 +93,11 @@ class PromptCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def tokens(self) -> int:
+        """KV positions the cached prompts hold (counted apart, even where an engine shares them)."""
+        return sum(len(t) for t in self._entries.values())
+
     def lookup(self, tokens: Sequence[int]) -> tuple[int | None, int]:
         """``(a cached sequence sharing the longest prefix with tokens, that prefix's length)``."""
         self.lookups += 1

@@ -583,6 +583,19 @@ class StepRunner:
             return
         for old in self.prompt_cache.insert(seq.token_ids[: seq.prompt_len], cache_id):
             self.engine.release(old)
+        self._reserve_cache_capacity()
+
+    def _reserve_cache_capacity(self) -> None:
+        """Cached prompts hold KV state the scheduler does not see: it plans within what they leave.
+        The cache gives way (is dropped) before that would leave less than half the capacity."""
+        capacity = getattr(self.engine, "kv_capacity_tokens", None)
+        if capacity is None or not hasattr(self.scheduler, "capacity") or self.prompt_cache is None:
+            return
+        cached = self.prompt_cache.tokens
+        if cached > capacity // 2:
+            self._drop_prompt_cache()
+            cached = 0
+        self.scheduler.capacity = capacity - cached
 
     def _drop_prompt_cache(self, disable: bool = False) -> None:
         if self.prompt_cache is None:
@@ -594,6 +607,9 @@ class StepRunner:
                 log.exception("the step engine failed to release cached sequence %s", seq_id)
         if disable:
             self.prompt_cache = None
+        capacity = getattr(self.engine, "kv_capacity_tokens", None)
+        if capacity is not None and hasattr(self.scheduler, "capacity"):
+            self.scheduler.capacity = capacity
 
     def _fan_out(self, first: Seq) -> list[Seq]:
         """The first completion's prompt is computed: the others of its request fork its KV state and
