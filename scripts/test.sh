@@ -100,7 +100,10 @@ vllm_t0=$(date +%s)
 echo "lmdock generate on vllm (engine start and one request) took $(( $(date +%s) - vllm_t0 )) s"
 # The suites open several LLMs in one process, so vLLM's engine core runs in its own process there
 # (vLLM's default); the generate above ran it in-process (lmdock.toml's multiprocessing = false).
-VLLM_CPU_KVCACHE_SPACE=1 t "$vl" plugins/vllm/tests
+VLLM_CPU_KVCACHE_SPACE=1 t "$vl" plugins/vllm/tests --deselect plugins/vllm/tests/test_requests.py::test_tensor_parallel_2_gives_the_greedy_reference
+# TP=2 starts two rank processes, bound one to each CPU: it runs on its own, with no other engine alive
+# (inside the run above, after other engines, its engine core failed to start; alone it passes)
+VLLM_CPU_KVCACHE_SPACE=1 t "$vl" plugins/vllm/tests/test_requests.py::test_tensor_parallel_2_gives_the_greedy_reference
 VLLM_CPU_KVCACHE_SPACE=1 t "$vl" --pyargs lmdock_conformance --lmdock-backend=vllm --lmdock-model="$LMDOCK_MODELS/stories260K-hd32" -rs
 
 echo "== onnx: lmdock + lmdock-onnx[export]"
