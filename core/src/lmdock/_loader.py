@@ -129,12 +129,15 @@ def _load_one(spec: BackendSpec, mc: ModelConfig, registry: Any) -> RequestEngin
             raise UnsupportedError(f"backend {spec.name!r} cannot quantize ({mc.quantization.algo!r}); remove [quantization] or pick another backend")
     build_args = hook.lmdock_translate_build_config(backend=spec.name, model_config=mc) or {}
     engine = hook.lmdock_load_engine(backend=spec.name, model_config=mc, options=options, quantization=quant, build=build_args)
-    if engine is None or spec.kind == "request":
+    if engine is None:
         return engine
     if hasattr(engine, "embed") and hasattr(engine, "task") and not hasattr(engine, "step"):
-        from lmdock._engine.pooling import PoolingRunner  # an embedding model or a cross-encoder
+        # an embedding model or a cross-encoder, from a step or a request backend alike
+        from lmdock._engine.pooling import PoolingRunner
 
         return PoolingRunner(engine, max_num_seqs=mc.scheduler.max_num_seqs, max_num_batched_tokens=mc.scheduler.max_num_batched_tokens)
+    if spec.kind == "request":
+        return engine
     return _wrap_step_engine(engine, spec, mc, hook)
 
 

@@ -137,3 +137,27 @@ def test_scale_out_settings_reach_vllm() -> None:
     kwargs = engine_kwargs(_mc(build={"tensor_parallel_size": 2, "distributed_executor": "mp"}), cpu=True)
     assert (kwargs["tensor_parallel_size"], kwargs["distributed_executor_backend"]) == (2, "mp")
     assert "distributed_executor_backend" not in engine_kwargs(_mc(), cpu=True)  # auto: vLLM's choice
+
+
+def test_structured_output_reaches_vllms_params() -> None:
+    from lmdock import RequestError
+    from vllm.sampling_params import StructuredOutputsParams
+
+    def so(**kind):  # type: ignore[no-untyped-def]
+        return sampling_kwargs(SamplingParams(structured_output=kind), prompt_len=5, max_model_len=512, stream=False)["structured_outputs"]
+
+    assert StructuredOutputsParams(**{k: v for k, v in so(json="object").items() if v is not None}).json_object
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert so(json='{"type": "object", "properties": {"a": {"type": "integer"}}}')["json"] == schema  # JSON text is parsed
+    assert so(choice=["yes", "no"])["choice"] == ["yes", "no"]
+    with pytest.raises(RequestError, match="structured_output.json"):
+        so(json="not json")
+
+
+def test_cross_encoder_segments_take_vllms_compressed_form() -> None:
+    from lmdock_vllm._pooling import _segments
+
+    assert _segments(None) is None and _segments([0, 0, 0]) is None  # one segment
+    assert _segments([0, 0, 0, 1, 1]) == {"compressed_token_type_ids": 3}  # the second starts at 3
+    with pytest.raises(UnsupportedError, match="one pair of segments"):
+        _segments([0, 1, 0, 1])

@@ -85,11 +85,9 @@ SPEC = BackendSpec(
     plugin_api="1.0",
     supports=frozenset(
         {"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "structured_output", "quantization",
-         "next_token_logprobs", "beam_search"}
+         "next_token_logprobs", "beam_search", "embed", "score"}
     ),
     lacks={
-        "embed": "not wired yet: vLLM's pooling runner serves embedding models, lmdock-vllm drives its generate runner only",
-        "score": "not wired yet: vLLM's pooling runner serves scoring models, lmdock-vllm drives its generate runner only",
         "offload": "no portable mapping: pass backends.vllm.engine_args = {cpu_offload_gb = N} for vLLM's weight offload to RAM",
     },
     requires=("vllm",),
@@ -134,8 +132,17 @@ def lmdock_translate_build_config(backend: str, model_config: ModelConfig) -> di
 def lmdock_load_engine(backend: str, model_config: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> Any:
     if backend != "vllm":
         return None
+    from lmdock.backend import read_pooling_config
+
     from lmdock_vllm._engine import VllmEngine
     from lmdock_vllm._translate import with_options
 
     kwargs = with_options(build["engine_kwargs"], options, (quantization or {}).get("quantization"))
+    pooling = read_pooling_config(model_config.model)
+    if pooling["task"] is not None:  # an embedding model or a cross-encoder: vLLM's pooling runner
+        from lmdock_vllm._engine import _check_main_guard, _in_process
+        from lmdock_vllm._pooling import VllmPoolingEngine
+
+        _in_process(_check_main_guard(kwargs, options.multiprocessing))
+        return VllmPoolingEngine.load(model_config, kwargs, pooling)
     return VllmEngine.load(model_config, kwargs, multiprocessing=options.multiprocessing, max_logprobs=options.max_logprobs)
