@@ -59,6 +59,28 @@ class StructuredOutput(_Replaceable):
         for c in self.choice:
             check(isinstance(c, str) and c != "", "structured_output.choice", f"choices must be non-empty strings, got {c!r}")
 
+    def json_schema(self) -> dict[str, Any] | None:
+        """The JSON schema ``json`` asks for, as a dict: ``"object"`` is any JSON object (OpenAI's
+        ``response_format: json_object``), a string is JSON text; None when ``json`` is unset.
+        Raises :class:`lmdock.RequestError` naming ``structured_output.json`` when it is neither."""
+        import json
+
+        from lmdock._errors import RequestError
+
+        schema = self.json
+        if schema is None or schema == {}:
+            return None
+        if isinstance(schema, str):
+            if schema.strip() == "object":
+                return {"type": "object"}
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise RequestError(f'structured_output.json: a string must be "object" or a JSON schema as JSON text; it is not JSON ({exc})') from None
+        if not isinstance(schema, dict):
+            raise RequestError(f"structured_output.json: a JSON schema is an object, got {type(schema).__name__}")
+        return schema
+
 
 @dataclass(frozen=True)
 class SamplingParams(_Replaceable):

@@ -36,8 +36,6 @@ CACHE_SIZE = 128
 #: budget on spaces; a schema may override with its own ``"x-guidance"`` options.
 JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False}
 
-#: the schema ``json="object"`` stands for: any JSON object (OpenAI's ``response_format: json_object``)
-ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
 def _llguidance() -> Any:
@@ -53,18 +51,8 @@ def grammar_for(so: Any) -> tuple[str, str]:
     """``(form, llguidance grammar text)`` for a :class:`lmdock.StructuredOutput`; RequestError if unusable."""
     llg = _llguidance()
     M = llg.LLMatcher
-    if so.json is not None and so.json != {}:
-        schema = so.json
-        if isinstance(schema, str):
-            if schema.strip() == "object":
-                schema = ANY_OBJECT
-            else:
-                try:
-                    schema = json.loads(schema)
-                except ValueError as exc:
-                    raise RequestError(f'structured_output.json: a string must be "object" or a JSON schema as JSON text; it is not JSON ({exc})') from exc
-        if not isinstance(schema, dict):
-            raise RequestError(f"structured_output.json: a JSON schema is an object, got {type(schema).__name__}")
+    schema = so.json_schema()
+    if schema is not None:
         try:
             return "json", M.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
         except (ValueError, TypeError) as exc:

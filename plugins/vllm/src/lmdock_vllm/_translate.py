@@ -7,11 +7,10 @@ setting and what to do instead.
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
-from lmdock import ModelConfig, QuantConfig, RequestError, SamplingParams, UnsupportedError
+from lmdock import ModelConfig, QuantConfig, SamplingParams, UnsupportedError
 
 #: lmdock QuantConfig.algo -> vLLM's online quantization method (weights quantized as they load).
 ONLINE_QUANT = {"fp8": "fp8", "int8_weight_only": "int8_per_channel_weight_only"}
@@ -167,25 +166,11 @@ def sampling_kwargs(p: SamplingParams, *, prompt_len: int, max_model_len: int, s
     }
     so = p.structured_output
     if so is not None:  # vllm.sampling_params.StructuredOutputsParams(**...), built by the engine
-        kwargs["structured_outputs"] = _structured(so)
+        # a JSON schema as lmdock reads it ("object": any object; JSON text parsed), RequestError otherwise
+        kwargs["structured_outputs"] = {"json": so.json_schema(), "regex": so.regex, "choice": list(so.choice) or None, "grammar": so.grammar}
     if p.greedy:
         kwargs["temperature"] = 0.0
     else:
         kwargs.update(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p)
     return kwargs
 
-
-def _structured(so: Any) -> dict[str, Any]:
-    """lmdock's StructuredOutput -> ``StructuredOutputsParams`` keywords.  ``json="object"`` is any JSON
-    object (vLLM's ``json_object``); other JSON text must parse, as the core's constraint stage requires."""
-    schema = so.json
-    if isinstance(schema, str):
-        if schema.strip() == "object":
-            return {"json_object": True}
-        try:
-            schema = json.loads(schema)
-        except ValueError as exc:
-            raise RequestError(f'structured_output.json: a string must be "object" or a JSON schema as JSON text; it is not JSON ({exc})') from None
-        if not isinstance(schema, dict):
-            raise RequestError(f"structured_output.json: a JSON schema is an object, got {type(schema).__name__}")
-    return {"json": schema, "regex": so.regex, "choice": list(so.choice) or None, "grammar": so.grammar}
