@@ -415,7 +415,8 @@ class LLM:
         if len(plist) != len(batch):
             raise RequestError(f"got {len(plist)} pooling_params for {len(batch)} prompts")
         params = [_indexed(i, len(batch), self._pooling_params, engine, p) for i, p in enumerate(plist)]
-        items = [_indexed(i, len(batch), self._pooling_input, engine, p, None, prm.truncate_prompt_tokens)
+        encoded = self._encode_texts(engine, batch, [prm.truncate_prompt_tokens for prm in params])
+        items = [_indexed(i, len(batch), self._pooling_input, engine, p, None, prm.truncate_prompt_tokens, encoded.get(i))
                  for i, (p, prm) in enumerate(zip(batch, params))]
         rows = self._pool(engine, items, [p.pooling_type for p in params])
         return [
@@ -481,7 +482,29 @@ class LLM:
                                f"ask for at most {engine.hidden_size}")
         return merged
 
-    def _pooling_input(self, engine: Any, prompt: Prompt, pair: str | None, truncate: int | None) -> PoolingInput:
+    def _encode_texts(self, engine: Any, batch: Sequence[Prompt], truncates: Sequence[int | None]) -> dict[int, list[int]]:
+        """Token ids of a batch's non-empty texts, one tokenizer call per truncation setting, as
+        sentence-transformers tokenizes a batch: a fast (Rust) tokenizer encodes a list in parallel.
+        Other tokenizers, and the prompts left out here, are tokenized one at a time by _pooling_input."""
+        tokenizer = self._tokenizer()
+        if not getattr(tokenizer, "is_fast", False):
+            return {}
+        limit = engine.max_seq_len
+        groups: dict[int | None, list[int]] = {}
+        for i, (prompt, truncate) in enumerate(zip(batch, truncates)):
+            truncate = limit if truncate == -1 else truncate
+            if isinstance(prompt, str) and prompt and (truncate is None or truncate <= limit):
+                groups.setdefault(truncate, []).append(i)
+        encoded: dict[int, list[int]] = {}
+        for truncate, indices in groups.items():
+            if len(indices) < 2:
+                continue
+            ids = tokenizer([batch[i] for i in indices], truncation=truncate is not None, max_length=truncate)["input_ids"]
+            encoded.update((i, list(row)) for i, row in zip(indices, ids))
+        return encoded
+
+    def _pooling_input(self, engine: Any, prompt: Prompt, pair: str | None, truncate: int | None,
+                       encoded: list[int] | None = None) -> PoolingInput:
         limit = engine.max_seq_len
         if truncate == -1:
             truncate = limit
@@ -491,7 +514,10 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt or pair == "":
                 raise RequestError("the text is empty: give a non-empty string")
-            enc = self._tokenizer()(prompt, pair, truncation=truncate is not None, max_length=truncate)
+            if encoded is not None:  # tokenized with the rest of its batch (_encode_texts)
+                enc: Any = {"input_ids": encoded}
+            else:
+                enc = self._tokenizer()(prompt, pair, truncation=truncate is not None, max_length=truncate)
             ids = list(enc["input_ids"])
             types = list(enc["token_type_ids"]) if pair is not None and "token_type_ids" in enc else None
         elif pair is None and isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
