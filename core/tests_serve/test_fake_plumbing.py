@@ -99,3 +99,45 @@ def test_an_unexpected_failure_is_500_without_a_traceback() -> None:
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "server_error"
     assert "Traceback" not in err["message"] and "boom" not in err["message"]
+
+
+# -- streaming: snapshots that wait are merged ----------------------------------------------------
+
+
+class FakeStreamingEngine:
+    """Fake: on submit, posts five cumulative snapshots at once (as an engine ahead of the server's
+    event loop does), one token of text each, the last one finished."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def submit(self, request: Any, sink: Any) -> None:
+        from lmdock import CompletionOutput, RequestOutput
+
+        for k in range(1, 6):
+            done = k == 5
+            c = CompletionOutput(0, "ab"[:1] * k, list(range(k)), finish_reason="length" if done else None)
+            sink.put(RequestOutput(request.request_id, "p", [1], [c], done))
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def test_snapshots_waiting_together_go_out_as_one() -> None:
+    import asyncio
+
+    from lmdock.server._app import _engine_stream, _State
+    from lmdock.server._metrics import Metrics
+
+    engine = FakeStreamingEngine()
+    llm = SimpleNamespace(engine=engine, _request=lambda prompt, params, stream, add_special_tokens: SimpleNamespace(request_id="r1"))
+    state = _State(models={}, settings=ServerConfig(), api_key=None, metrics=Metrics(lambda: {}))
+
+    async def run() -> list[Any]:
+        return [out async for out in _engine_stream(state, SimpleNamespace(llm=llm, name="fake"), "p", None)]
+
+    outs = asyncio.run(run())
+    # all five were queued before the first was taken: the newest (finished) one is the only one sent
+    assert [len(o.outputs[0].token_ids) for o in outs] == [5] and outs[0].finished
+    assert engine.aborted == []  # it finished: nothing to abort
+    assert state.metrics.generation_tokens.labels("fake")._value.get() == 5  # every token counted

@@ -242,6 +242,13 @@ async def _engine_stream(st: _State, sm: ServedModel, prompt: str | list[int], p
     try:
         while True:
             item = await sink.queue.get()
+            # Snapshots are cumulative: when several wait (this loop fell behind the engine), only the
+            # newest goes on, in one chunk, as vLLM's output collector merges outputs its consumer has
+            # not taken yet; each still feeds the metrics.  Under load the server then writes fewer,
+            # larger chunks instead of falling further behind.
+            while not isinstance(item, BaseException) and not item.finished and not sink.queue.empty():
+                timer.snapshot(item)
+                item = sink.queue.get_nowait()
             if isinstance(item, BaseException):
                 raise item
             timer.snapshot(item)
