@@ -32,12 +32,14 @@ from lmdock._sinks import safe_fail, safe_put
 from lmdock._tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from lmdock._engine.beam import BeamSearch
     from lmdock._engine.pooling import read_pooling_config
     from lmdock._engine.sampler import ReferenceSampler, Sample, Sampler, SampleRow
     from lmdock._engine.scheduler import FcfsScheduler, Scheduler
     from lmdock._engine.slots import SlotTable
 
 _LAZY = {
+    "BeamSearch": "lmdock._engine.beam",
     "FcfsScheduler": "lmdock._engine.scheduler",
     "ReferenceSampler": "lmdock._engine.sampler",
     "Sample": "lmdock._engine.sampler",
@@ -68,6 +70,7 @@ def build_options(cls: type, data: dict[str, Any], *, source: str | None = None,
 __all__ = [
     "BackendError",
     "BackendSpec",
+    "BeamSearch",
     "CAPABILITIES",
     "CompletionOutput",
     "EngineClosedError",

@@ -11,7 +11,7 @@ heuristic), as soon as ``beam_width`` are finished (``early_stopping=True``), or
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +55,7 @@ class BeamSearch:
         ends: np.ndarray,
         at_limit: bool,
     ) -> list[Choice]:
-        """One step.
+        """One step over dense log-probabilities.
 
         :param outputs: each live beam's generated tokens so far.
         :param running: each live beam's sum of logprobs.
@@ -65,20 +65,50 @@ class BeamSearch:
         :return: the next beams (empty when the search is over).
         """
         vocab = logprobs.shape[1]
-        gen_len = len(outputs[0]) + 1
         flat = (running[:, None] + logprobs).ravel()
         k = min(2 * self.width, flat.size)
         top = np.argpartition(-flat, k - 1)[:k]
-        top = top[np.argsort(-flat[top], kind="stable")]
+        top = top[np.argsort(-flat[top], kind="stable")]  # ties: beam, then token order
+        ranked = [(float(flat[f]), *divmod(f, vocab)) for f in top.tolist()]
+        return self.choose(ranked, outputs, lambda token: bool(ends[token]), at_limit)
+
+    def step_top(
+        self,
+        outputs: Sequence[list[int]],
+        running: Sequence[float],
+        rows: Sequence[dict[int, float]],
+        ends: Collection[int],
+        at_limit: bool,
+        mask_ends: bool,
+    ) -> list[Choice]:
+        """One step over each beam's top next-token logprobs (``rows[i]``: token -> logprob), as an
+        engine that reports the top ``2 * width`` per row gives them (vLLM): those hold every candidate
+        of the global top ``2 * width``.  ``mask_ends``: ending tokens may not end yet (min_new_tokens)."""
+        ranked = sorted(
+            ((run + lp, b, tok) for b, (run, row) in enumerate(zip(running, rows, strict=True))
+             for tok, lp in row.items() if not (mask_ends and tok in ends)),
+            key=lambda c: (-c[0], c[1], c[2]),  # as the dense step's stable sort of [beam, vocab]
+        )
+        return self.choose(ranked[: 2 * self.width], outputs, ends.__contains__, at_limit)
+
+    def choose(
+        self,
+        ranked: Sequence[tuple[float, int, int]],
+        outputs: Sequence[list[int]],
+        is_end: Callable[[int], bool],
+        at_limit: bool,
+    ) -> list[Choice]:
+        """The bookkeeping shared by both steps: ``ranked`` holds the best ``2 * width`` candidates,
+        best first, as (running logprob, beam, token)."""
+        gen_len = len(outputs[0]) + 1
         keep: list[Choice] = []
-        for rank, f in enumerate(top.tolist()):
-            beam, token = divmod(f, vocab)
-            if at_limit or ends[token]:
+        for rank, (score, beam, token) in enumerate(ranked):
+            if at_limit or is_end(token):
                 if rank < self.width and self.improvable and not (self.early_stopping and self._full()):
-                    self._add([*outputs[beam], token], float(flat[f]), gen_len)
+                    self._add([*outputs[beam], token], score, gen_len)
                 continue
             if len(keep) < self.width:
-                keep.append(Choice(beam, token, float(flat[f])))
+                keep.append(Choice(beam, token, score))
         if at_limit or not keep:
             self.done = True
             return []

@@ -34,7 +34,6 @@ from lmdock.backend import (
     safe_put,
 )
 
-from lmdock_vllm._beam import Beam, BeamSearch
 from lmdock_vllm._translate import sampling_kwargs
 
 _CLOSE = object()
@@ -411,7 +410,10 @@ class VllmEngine:
         n_out = len(beam.beams[0].token_ids)
         limit = p.max_new_tokens
         at_limit = (limit is not None and n_out + 1 >= limit) or len(beam.request.prompt_token_ids) + n_out + 1 >= self.max_seq_len
-        beam.beams = beam.search.step(beam.beams, beam.rows, beam.ends, at_limit, mask_ends=n_out < p.min_new_tokens)  # type: ignore[arg-type]
+        outputs = [b.token_ids for b in beam.beams]
+        choices = beam.search.step_top(outputs, [b.logprob for b in beam.beams], beam.rows, beam.ends, at_limit,  # type: ignore[arg-type]
+                                       mask_ends=n_out < p.min_new_tokens)
+        beam.beams = [Beam([*outputs[c.beam], c.token], c.logprob) for c in choices]
         if beam.search.done:
             del self._beams[beam.request.request_id]
             req = beam.request
@@ -433,10 +435,16 @@ class _Query:
 
 
 @dataclass
+class Beam:
+    token_ids: list[int]  # generated so far
+    logprob: float  # running sum
+
+
+@dataclass
 class _BeamRequest:
     request: EngineRequest
     sink: OutputSink
-    search: BeamSearch
+    search: Any  # lmdock.backend.BeamSearch: transformers' bookkeeping, shared with the core
     params: Any  # vLLM SamplingParams of one beam's step
     ends: frozenset[int]
     beams: list[Beam] = field(default_factory=lambda: [Beam([], 0.0)])
@@ -459,6 +467,8 @@ class _BeamRequest:
                 f"beam_width={width} needs {2 * width + len(ends)} logprobs per step but backends.vllm.max_logprobs is "
                 f"{engine.max_logprobs}; raise that option or use a smaller beam_width"
             )
+        from lmdock.backend import BeamSearch
+
         return cls(request, sink, BeamSearch(width, p.length_penalty, p.early_stopping), params, ends)
 
     def outputs(self, engine: VllmEngine) -> list[CompletionOutput]:

