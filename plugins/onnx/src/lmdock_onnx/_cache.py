@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
+
+from lmdock import BackendError, UnsupportedError
 
 #: Files of a transformers checkpoint that decide what the export holds.
 _MODEL_FILES = (".json", ".safetensors", ".bin", ".model", ".txt", ".py", ".tiktoken")
@@ -46,3 +50,20 @@ def export_key(folder: Path, *, opset: int, precision: str, plugin_version: str)
 
 def export_dir(root: Path, folder: Path, key: str) -> Path:
     return root / f"{folder.name}-{key}"
+
+
+def export_atomically(out: Path, folder: Path, make: Callable[[Path], None]) -> None:
+    """``make(tmp)`` writes the export into ``out``'s ``.partial`` sibling, which then becomes ``out``:
+    the folder appears only once complete.  A failure leaves nothing behind; lmdock's own errors pass
+    as they are, anything else becomes a BackendError naming ``folder``."""
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        make(tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, (BackendError, UnsupportedError)):
+            raise
+        raise BackendError(f"exporting {folder} to ONNX failed: {type(exc).__name__}: {exc}") from exc

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -12,7 +11,7 @@ from lmdock import BackendError, ModelConfig, UnsupportedError
 from lmdock.backend import read_model_json
 
 from lmdock_onnx import __version__
-from lmdock_onnx._cache import cache_root, export_dir, export_key
+from lmdock_onnx._cache import cache_root, export_atomically, export_dir, export_key
 
 
 def is_exported(folder: Path) -> bool:
@@ -71,22 +70,16 @@ def _export_to(out: Path, mc: ModelConfig, folder: Path, options: Any, dtype: st
         raise UnsupportedError(f"exporting {folder} to ONNX needs {', '.join(missing)}: pip install torch==<your build> "
                                "'lmdock-onnx[export]'; or load a folder exported already (docs/backends/onnx.md)")
     started = time.perf_counter()
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+
+    def make(tmp: Path) -> None:
         facts = _export.export(str(folder), tmp, dtype=dtype, opset=options.opset, trust_remote_code=mc.trust_remote_code,
                                revision=mc.revision, tokenizer=mc.tokenizer)
         if quant.get("algo"):
             _export.quantize(tmp, quant["algo"], quant.get("group_size"))
         _export.write_meta(tmp, {**facts, "source": str(folder), "opset": options.opset, "precision": precision,
                                  "lmdock_onnx": __version__, "present": "new", "export_seconds": round(time.perf_counter() - started, 2)})
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-    except Exception as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, (BackendError, UnsupportedError)):
-            raise
-        raise BackendError(f"exporting {folder} to ONNX failed: {type(exc).__name__}: {exc}") from exc
+
+    export_atomically(out, folder, make)
     sys.stderr.write(f"lmdock-onnx: cached at {out}\n")
 
 

@@ -22,7 +22,7 @@ from lmdock import BackendError, ModelConfig, UnsupportedError
 from lmdock.backend import PoolingInput
 
 from lmdock_onnx import __version__
-from lmdock_onnx._cache import cache_root, export_dir, export_key
+from lmdock_onnx._cache import cache_root, export_atomically, export_dir, export_key
 
 #: The files beside the weights that an export keeps (sentence-transformers' pooling among them).
 _KEEP = ("config.json", "modules.json", "sentence_bert_config.json", "1_Pooling", "2_Normalize")
@@ -41,17 +41,7 @@ def resolve(mc: ModelConfig, options: Any, build: dict[str, Any], task: str) -> 
     if (out / "model.onnx").is_file():
         return out
     started = time.perf_counter()
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        _export(mc, folder, tmp, task, build["dtype"], options.opset)
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-    except Exception as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, (BackendError, UnsupportedError)):
-            raise
-        raise BackendError(f"exporting {folder} to ONNX failed: {type(exc).__name__}: {exc}") from exc
+    export_atomically(out, folder, lambda tmp: _export(mc, folder, tmp, task, build["dtype"], options.opset))
     sys.stderr.write(f"lmdock-onnx: exported {folder.name} in {time.perf_counter() - started:.1f} s, cached at {out}\n")
     return out
 
