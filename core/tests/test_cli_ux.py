@@ -111,9 +111,9 @@ def test_chat_stream_and_json(fake: object, tmp_path: Path, capsys: pytest.Captu
 
 
 def test_batch_progress_shows_tokens_per_second_and_eta(capsys: pytest.CaptureFixture[str]) -> None:
-    from lmdock._batch import _Progress
+    from lmdock._progress import Progress  # lmdock batch's bar, shared with LLM.generate
 
-    bar = _Progress(4, enabled=True)
+    bar = Progress(4, enabled=True)
     bar.update(10)
     err = capsys.readouterr().err
     assert "1/4" in err and "tok/s" in err and "ETA " in err

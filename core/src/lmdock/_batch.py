@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from lmdock._errors import ConfigError, LmdockError
+from lmdock._progress import Progress
 
 #: OpenAI body fields and the SamplingParams field each one sets.
 _FIELDS = {
@@ -108,29 +109,6 @@ def sampling_overrides(body: dict[str, Any], kind: str) -> dict[str, Any]:
     return out
 
 
-class _Progress:
-    """done/total, tokens/s and ETA on stderr, only on a terminal."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.done, self.tokens = total, 0, 0
-        self.enabled = enabled and total > 0
-        self.start = time.perf_counter()
-
-    def update(self, tokens: int) -> None:
-        self.done += 1
-        self.tokens += tokens
-        if not self.enabled:
-            return
-        elapsed = max(time.perf_counter() - self.start, 1e-9)
-        eta = elapsed / self.done * (self.total - self.done)
-        filled = int(30 * self.done / self.total)
-        sys.stderr.write(f"\r[{'#' * filled}{'-' * (30 - filled)}] {self.done}/{self.total}  "
-                         f"{self.tokens / elapsed:,.0f} tok/s  ETA {int(eta) // 60}:{int(eta) % 60:02d}")
-        if self.done == self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-
 def _result(custom_id: str, kind: str, model: str, out: Any, n: int) -> dict[str, Any]:
     prompt_tokens = len(out.prompt_token_ids or [])
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
@@ -179,7 +157,7 @@ def run_batch(args: argparse.Namespace) -> int:
             if isinstance(custom_id, str) and custom_id in skip:
                 continue
             jobs.append((lineno, line))
-        progress = _Progress(len(jobs), not args.no_progress and sys.stderr.isatty())
+        progress = Progress(len(jobs), not args.no_progress and sys.stderr.isatty() and len(jobs) > 0, label="Requests")
         pending: dict[concurrent.futures.Future[Any], tuple[str, str, int]] = {}
         try:
             for lineno, line in jobs:
@@ -222,7 +200,7 @@ def run_batch(args: argparse.Namespace) -> int:
     return 0 if not failed else 1
 
 
-def _drain(pending: dict[Any, tuple[str, str, int]], write: Any, progress: _Progress, model: str, first: bool) -> int:
+def _drain(pending: dict[Any, tuple[str, str, int]], write: Any, progress: Progress, model: str, first: bool) -> int:
     """Write the results that have finished (at least one); returns how many were errors."""
     done, _ = concurrent.futures.wait(list(pending), return_when=concurrent.futures.FIRST_COMPLETED)
     failed = 0

@@ -24,8 +24,9 @@ class Progress:
         width = 30
         filled = int(width * self.done / max(self.total, 1))
         bar = "#" * filled + "-" * (width - filled)
+        eta = int(elapsed / self.done * max(self.total - self.done, 0))
         sys.stderr.write(
-            f"\r{self.label}: [{bar}] {self.done}/{self.total}  {self.tokens / elapsed:,.0f} tok/s"
+            f"\r{self.label}: [{bar}] {self.done}/{self.total}  {self.tokens / elapsed:,.0f} tok/s  ETA {eta // 60}:{eta % 60:02d}"
         )
         if self.done == self.total:
             sys.stderr.write("\n")
