@@ -33,7 +33,7 @@ from lmdock._tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from lmdock._engine.beam import BeamSearch
-    from lmdock._engine.pooling import read_pooling_config
+    from lmdock._engine.pooling import pool_hidden, read_pooling_config
     from lmdock._engine.sampler import ReferenceSampler, Sample, Sampler, SampleRow
     from lmdock._engine.scheduler import FcfsScheduler, Scheduler
     from lmdock._engine.slots import SlotTable
@@ -47,6 +47,7 @@ _LAZY = {
     "Sampler": "lmdock._engine.sampler",
     "Scheduler": "lmdock._engine.scheduler",
     "SlotTable": "lmdock._engine.slots",
+    "pool_hidden": "lmdock._engine.pooling",
     "read_pooling_config": "lmdock._engine.pooling",
 }
 
@@ -99,6 +100,7 @@ __all__ = [
     "UnsupportedError",
     "build_options",
     "hookimpl",
+    "pool_hidden",
     "read_model_json",
     "read_pooling_config",
     "safe_fail",

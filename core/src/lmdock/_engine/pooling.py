@@ -7,7 +7,8 @@
 3. One ``engine.embed`` per batch; each row goes to its future.  A batch that fails is retried one
    prompt at a time, so a bad prompt fails alone.
 
-Also here: reading a model's sentence-transformers pooling files (``read_pooling_config``).
+Also here: reading a model's sentence-transformers pooling files (``read_pooling_config``), and their
+pooling in NumPy for engines that return hidden states (``pool_hidden``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from lmdock._contract import PoolingEngine, PoolingInput
 from lmdock._errors import BackendError, EngineClosedError, UnsupportedError
@@ -189,3 +192,15 @@ class PoolingRunner:
             return
         for job, row in zip(batch, rows):
             job.future.set_result(row)
+
+
+def pool_hidden(hidden: np.ndarray, mask: np.ndarray, pooling_type: str) -> np.ndarray:
+    """sentence-transformers' ``Pooling`` in NumPy over ``hidden`` [batch, tokens, dim] with the
+    attention ``mask`` [batch, tokens] (right padding): CLS, masked MEAN (sum / clamp(count, 1e-9)),
+    or LAST."""
+    if pooling_type == "CLS":
+        return hidden[:, 0]
+    if pooling_type == "LAST":
+        return hidden[np.arange(hidden.shape[0]), mask.sum(axis=1) - 1]
+    m = mask[:, :, None].astype(np.float32)
+    return (hidden * m).sum(axis=1) / np.maximum(m.sum(axis=1), 1e-9)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 from lmdock import BackendError, ModelConfig, UnsupportedError
-from lmdock.backend import PoolingInput
+from lmdock.backend import PoolingInput, pool_hidden
 
 from lmdock_onnx import __version__
 from lmdock_onnx._cache import cache_root, export_atomically, export_dir, export_key
@@ -136,17 +136,8 @@ class OnnxPoolingEngine:
         feed = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
         (out,) = self.session.run(None, {name: feed[name] for name in self.inputs})
         out = out.astype(np.float32, copy=False)
-        return out if self.task == "classify" else pool(out, mask, pooling_type)
+        return out if self.task == "classify" else pool_hidden(out, mask, pooling_type)
 
     def close(self) -> None:
         self.session = None
 
-
-def pool(hidden: np.ndarray, mask: np.ndarray, pooling_type: str) -> np.ndarray:
-    """sentence-transformers' ``Pooling`` in NumPy: CLS, masked MEAN, or LAST (right padding)."""
-    if pooling_type == "CLS":
-        return hidden[:, 0]
-    if pooling_type == "LAST":
-        return hidden[np.arange(hidden.shape[0]), mask.sum(axis=1) - 1]
-    m = mask[:, :, None].astype(np.float32)
-    return (hidden * m).sum(axis=1) / np.maximum(m.sum(axis=1), 1e-9)

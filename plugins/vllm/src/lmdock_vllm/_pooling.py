@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 from lmdock import BackendError, ModelConfig, UnsupportedError
-from lmdock.backend import PoolingInput
+from lmdock.backend import PoolingInput, pool_hidden
 
 
 class VllmPoolingEngine:
@@ -93,7 +93,7 @@ class VllmPoolingEngine:
         rows = [_numpy(done[rid]) for rid in order]
         if self.task == "classify":
             return np.stack([r.reshape(-1) for r in rows]).astype(np.float32)
-        return np.stack([_pool(r, pooling_type) for r in rows]).astype(np.float32)
+        return np.stack([pool_hidden(r[None], np.ones((1, len(r))), pooling_type)[0] for r in rows]).astype(np.float32)
 
     def close(self) -> None:
         engine, self._engine = self._engine, None
@@ -118,15 +118,6 @@ def _segments(types: Sequence[int] | None) -> dict[str, int] | None:
 
 def _numpy(data: Any) -> np.ndarray:
     return np.asarray(data.float().numpy() if hasattr(data, "numpy") else data, dtype=np.float32)
-
-
-def _pool(hidden: np.ndarray, pooling_type: str) -> np.ndarray:
-    """sentence-transformers' ``Pooling`` over one prompt's hidden states [tokens, hidden]."""
-    if pooling_type == "CLS":
-        return hidden[0]
-    if pooling_type == "LAST":
-        return hidden[-1]
-    return hidden.astype(np.float64).mean(axis=0)
 
 
 def _shutdown(engine: Any) -> None:
