@@ -3,11 +3,12 @@
 1. Serving: 32 concurrent requests with mixed prompt (8-256 tokens) and output (16-256 tokens)
    lengths, through lmdock (continuous batching), against transformers ``generate`` one request at a
    time and against one left-padded static batch (which runs every row to the longest output).
-2. Batch-1 decode: one request, lmdock against transformers ``generate``.
+2. Batch-1 and batch-8 decode: one request, and 8 requests with prompts of the same length (so
+   ``generate``'s batch needs no padding, its best case), lmdock against transformers ``generate``.
 
 Model: a random-weight Llama of about 100M parameters built with a fixed seed (benchmarks/_common.py).
 Greedy decoding, EOS ignored, float32 on CPU.  Tokens/s counts the output tokens each request asked
-for.  Run: ``HF_HUB_OFFLINE=1 python benchmarks/serving.py [--requests 32] [--threads N]``.
+for.  Run: ``HF_HUB_OFFLINE=1 python benchmarks/serving.py [--requests 32] [--threads N] [--decode-only]``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--decode-only", action="store_true", help="only the batch-1 and batch-8 decode rows")
     args = ap.parse_args()
 
     import torch
@@ -61,16 +63,17 @@ def main() -> None:
     with LLM(path, backend="hf", scheduler={"max_num_seqs": args.requests, "max_num_batched_tokens": 512}) as llm:
         greedy = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for _, n in work]
         llm.generate([work[0][0]], greedy[0])  # warm-up
-        t_lm, outs = timed(lambda: llm.generate([ids for ids, _ in work], greedy, use_tqdm=False))
-        assert sum(len(o.outputs[0].token_ids) for o in outs) == useful
         hf_one(work[0][0], 4)  # warm-up
-        t_one, _ = timed(lambda: [hf_one(ids, n) for ids, n in work])
-        t_static, _ = timed(hf_static)
-        rows += [
-            ("serving: lmdock (continuous batching)", f"{useful / t_lm:,.1f}", "1.00"),
-            ("serving: transformers, one at a time", f"{useful / t_one:,.1f}", f"{t_one / t_lm:.2f}"),
-            ("serving: transformers, one padded static batch", f"{useful / t_static:,.1f}", f"{t_static / t_lm:.2f}"),
-        ]
+        if not args.decode_only:
+            t_lm, outs = timed(lambda: llm.generate([ids for ids, _ in work], greedy, use_tqdm=False))
+            assert sum(len(o.outputs[0].token_ids) for o in outs) == useful
+            t_one, _ = timed(lambda: [hf_one(ids, n) for ids, n in work])
+            t_static, _ = timed(hf_static)
+            rows += [
+                ("serving: lmdock (continuous batching)", f"{useful / t_lm:,.1f}", "1.00"),
+                ("serving: transformers, one at a time", f"{useful / t_one:,.1f}", f"{t_one / t_lm:.2f}"),
+                ("serving: transformers, one padded static batch", f"{useful / t_static:,.1f}", f"{t_static / t_lm:.2f}"),
+            ]
         prompt = work[0][0][:16]
         n = args.decode_tokens
         one = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
@@ -79,6 +82,19 @@ def main() -> None:
         rows += [
             (f"batch-1 decode ({n} tokens): lmdock", f"{n / t_lm1:,.1f}", "1.00"),
             (f"batch-1 decode ({n} tokens): transformers generate", f"{n / t_hf1:,.1f}", f"{t_hf1 / t_lm1:.2f}"),
+        ]
+        eight = [ids[:16] for ids, _ in work[:8]]
+        batch = torch.tensor(eight)
+
+        def hf_eight() -> None:
+            with torch.inference_mode():
+                model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+        t_lm8 = min(timed(lambda: llm.generate(eight, one, use_tqdm=False))[0] for _ in range(3))
+        t_hf8 = min(timed(hf_eight)[0] for _ in range(3))
+        rows += [
+            (f"batch-8 decode ({n} tokens each): lmdock", f"{8 * n / t_lm8:,.1f}", "1.00"),
+            (f"batch-8 decode ({n} tokens each): transformers generate", f"{8 * n / t_hf8:,.1f}", f"{t_hf8 / t_lm8:.2f}"),
         ]
     print(f"model: random Llama, {params_m:.0f}M parameters, float32; {args.requests} requests, {useful} output tokens")
     print(f"machine: {machine()}")
