@@ -5,7 +5,8 @@ layout (one file per layer, each tensor at a 4 KiB-aligned offset, optionally gr
 made once from the checkpoint and cached.  At each step the whole running batch passes through each
 layer once (FlexLLMGen's block schedule): a thread reads layer i+1 (``O_DIRECT``, into one of two
 preallocated buffers) while layer i computes over every sequence of the step.  Embeddings, norms and
-the LM head stay resident; the KV cache lives on the accelerator or in RAM.
+the LM head stay resident; the KV cache lives on the accelerator or in RAM, group-wise 4-bit with
+``compress_cache`` (:class:`CompressedSlotKVCache`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,16 @@ import torch
 from lmdock import BackendError, ModelConfig, OffloadPolicy, UnsupportedError
 from lmdock.backend import SeqChunk, StepOutput, read_model_json
 
-from lmdock_hf._engine import ATTENTION, HFStepEngine, _context_length, _device, _dtype, _register_attention
+from lmdock_hf._engine import (
+    ATTENTION,
+    HFStepEngine,
+    SlotKVCache,
+    _BatchView,
+    _context_length,
+    _device,
+    _dtype,
+    _register_attention,
+)
 
 ALIGN = 4096
 LAYOUT_VERSION = 1
@@ -69,6 +79,92 @@ def decompress_4bit(packed: torch.Tensor, meta: torch.Tensor, out: torch.Tensor)
     meta = meta.float()
     vals = q.to(torch.float32).mul_(meta[:, 1:2]).add_(meta[:, 0:1])
     out.view(n, half * 2).copy_(vals)
+
+
+# -------------------------------------------------------------------------------------------------
+# compress_cache: the KV cache group-wise 4-bit (FlexLLMGen's comp_cache_config: 4 bits, group 64,
+# group_dim 2 of its [seq, batch*heads, head_dim] cache, i.e. along head_dim)
+# -------------------------------------------------------------------------------------------------
+
+
+def kv_group(head_dim: int, group: int) -> int:
+    """The quantization group of ``compress_cache``, along head_dim: ``group`` (the policy's
+    ``compress_group_size``, 64) when it divides head_dim; head_dim itself when head_dim is smaller
+    (FlexLLMGen pads such a head to 64 values instead, which would store more than it saves); else
+    the largest even divisor of head_dim below ``group``."""
+    if head_dim % 2:
+        raise UnsupportedError(f"lmdock-hf offload: compress_cache packs two 4-bit values per byte and needs an even head_dim, got {head_dim}")
+    if head_dim <= group:
+        return head_dim
+    return max(d for d in range(2, group + 1, 2) if head_dim % d == 0)
+
+
+def kv_row_bytes(head_dim: int, group: int) -> int:
+    """Bytes of one (position, KV head) of K or V when compressed: head_dim/2 code bytes, then a
+    float16 (min, scale) pair per group."""
+    return head_dim // 2 + head_dim // group * 4
+
+
+def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, elem: int, group: int | None) -> int:
+    """KV cache bytes per token of one sequence: full precision (``elem`` bytes a value), or 4-bit
+    codes plus group scales when ``group`` is given (``compress_cache``)."""
+    per_head = kv_row_bytes(head_dim, group) if group else head_dim * elem
+    return 2 * num_layers * kv_heads * per_head
+
+
+class CompressedSlotKVCache(SlotKVCache):
+    """The slot cache with K and V group-wise 4-bit.
+
+    Per layer, K and V are each one uint8 tensor ``[slots, kv_heads, length, row]`` whose last axis
+    holds one head at one position: ``head_dim / 2`` bytes of codes (two 4-bit values a byte, even
+    index in the low nibble), then ``head_dim / group`` float16 pairs (min, scale), as bytes.  Codes
+    and scales of a position live in one row, so the base class's growing, slot compaction on
+    release and ``copy`` (prefix caching, beam forks) move both without knowing the format.
+    """
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, max_len: int, head_dim: int, group: int) -> None:
+        super().__init__(device, dtype, max_len)
+        self.head_dim, self.group = head_dim, group
+        self.row_bytes = kv_row_bytes(head_dim, group)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., head_dim]`` float -> ``[..., row_bytes]`` uint8 (min-max per group, 16 levels)."""
+        if x.shape[-1] != self.head_dim:
+            raise BackendError(f"lmdock-hf offload: compress_cache was set up for head_dim {self.head_dim}, the model gave {x.shape[-1]}")
+        g = x.float().unflatten(-1, (-1, self.group))
+        lo = g.amin(-1)
+        lo16 = lo.to(torch.float16)
+        scale16 = ((g.amax(-1) - lo) / 15).to(torch.float16)
+        # quantize against the float16 min/scale that dequantization will use, not the float32 ones
+        scale = scale16.float()
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: every code 0
+        q = ((g - lo16.float()[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.uint8).flatten(-2)
+        codes = q[..., 0::2] | (q[..., 1::2] << 4)
+        meta = torch.stack([lo16, scale16], dim=-1).flatten(-2).contiguous().view(torch.uint8)
+        return torch.cat([codes, meta], dim=-1)
+
+    def unpack(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Inverse of :meth:`pack`: ``[..., row_bytes]`` uint8 -> ``[..., head_dim]`` of ``dtype``."""
+        half = self.head_dim // 2
+        codes = rows[..., :half]
+        meta = rows[..., half:].contiguous().view(torch.float16).float().unflatten(-1, (-1, 2))
+        q = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)
+        vals = q.float().unflatten(-1, (-1, self.group)).mul_(meta[..., 1:2]).add_(meta[..., 0:1])
+        return vals.flatten(-2).to(dtype)
+
+
+class _CompressedBatchView(_BatchView):
+    """``_BatchView`` over a :class:`CompressedSlotKVCache`: the new positions are written as codes,
+    and attention gets the dequantized K/V of the rows' slots up to ``kv_len`` (only that range is
+    dequantized).  The positions just written are read back dequantized too (FlexLLMGen attends to the
+    token being generated at full precision), so a position reads the same whether it was written by
+    this forward, by an earlier chunk, or came from the prefix cache."""
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, cache_kwargs: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = self.cache
+        assert isinstance(cache, CompressedSlotKVCache)
+        k, v = super().update(cache.pack(key), cache.pack(value), layer_idx, cache_kwargs)
+        return cache.unpack(k, key.dtype), cache.unpack(v, value.dtype)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -417,7 +513,7 @@ def plan(policy: OffloadPolicy, *, num_layers: int, layer_bytes: int, disk_layer
     note = (
         f"Chosen from memory_budget_gib={policy.memory_budget_gib:g}: read bandwidth {bw}, "
         f"{streamed / 2**20:.0f} MiB streamed per step (~{step * 1e3:.0f} ms), "
-        f"KV {per_seq / 2**20:.2f} MiB per sequence of {seq_len} tokens."
+        f"KV {per_seq / 2**20:.2f} MiB per sequence of {seq_len} tokens{' (4-bit, compress_cache)' if policy.compress_cache else ''}."
     )
     return Plan(resident, resident if accelerator else 0, kv, batch, note)
 
@@ -442,15 +538,13 @@ class _Group:
     """Chunks that pass through each layer together (one forward's worth)."""
 
     def __init__(self, engine: OffloadStepEngine, chunks: list[SeqChunk], all_logits: bool) -> None:
-        from lmdock_hf._engine import _BatchView
-
         self.chunks = chunks
         self.all_logits = all_logits
         width = len(chunks[0].token_ids)
         starts = [c.start for c in chunks]
         kv_len = max(starts) + width
         dev = engine.device
-        self.view = _BatchView(engine.cache, [engine.cache.slot_of[c.seq_id] for c in chunks], starts, width, kv_len)
+        self.view = engine.view_type(engine.cache, [engine.cache.slot_of[c.seq_id] for c in chunks], starts, width, kv_len)
         ids = torch.tensor([list(c.token_ids) for c in chunks], device=dev)
         self.pos = self.view.start_t[:, None] + torch.arange(width, device=dev)[None, :]
         self.mask = engine._mask(self.pos, kv_len, starts, width)
@@ -461,9 +555,14 @@ class _Group:
 class OffloadStepEngine(HFStepEngine):
     """HFStepEngine whose decoder layers are (partly) streamed from disk, whole batch per layer."""
 
-    def __init__(self, *args: Any, streamer: Streamer | None, streamed: list[int], plan: Plan, layout: Layout | None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, streamer: Streamer | None, streamed: list[int], plan: Plan, layout: Layout | None, kv_compress: tuple[int, int] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.decoder, _ = _decoder(self.model)
+        #: the view attention layers see (see ``_Group``); ``kv_compress`` is (head_dim, group) for compress_cache
+        self.view_type: type[_BatchView] = _BatchView
+        if kv_compress is not None:
+            self.cache = CompressedSlotKVCache(self.device, self.dtype, self.max_seq_len, *kv_compress)
+            self.view_type = _CompressedBatchView
         self.streamer = streamer
         self.streamed = set(streamed)
         self.plan = plan
@@ -481,12 +580,10 @@ class OffloadStepEngine(HFStepEngine):
         self.scheduler_limits = {"max_num_seqs": plan.batch_size} if plan.batch_size else {}
 
     @classmethod
-    def load_offloaded(cls, mc: ModelConfig, options: Any, build: dict[str, Any], quantize: Any = None) -> OffloadStepEngine:
+    def load_offloaded(cls, mc: ModelConfig, options: Any, build: dict[str, Any]) -> OffloadStepEngine:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         policy = mc.offload
-        if policy.compress_cache:
-            raise UnsupportedError("lmdock-hf offload does not implement compress_cache (4-bit KV cache) yet; set compress_cache = false")
         if options.num_threads:
             torch.set_num_threads(options.num_threads)
         device = _device(build.get("device", "auto"))
@@ -518,7 +615,8 @@ class OffloadStepEngine(HFStepEngine):
         heads = text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        kv_per_token = 2 * num_layers * kv_heads * head_dim * elem
+        group = kv_group(head_dim, policy.compress_group_size) if policy.compress_cache else None
+        kv_per_token = kv_bytes_per_token(num_layers, kv_heads, head_dim, elem, group)
         limit = _context_length(model, tokenizer)
         max_seq_len = min(build["max_seq_len"], limit) if build.get("max_seq_len") else limit
 
@@ -568,8 +666,6 @@ class OffloadStepEngine(HFStepEngine):
         del ckpt
         streamed = list(range(chosen.resident_layers, num_layers))
         streamer = Streamer(layout, streamed, device, policy.prefetch) if streamed and layout else None
-        if quantize is not None:
-            quantize(model)
         kv_device = device if chosen.kv_on_accelerator or device.type == "cpu" else cpu
         if kv_device != device:
             raise UnsupportedError("lmdock-hf offload: KV cache in RAM with compute on an accelerator is not implemented; set kv_cache_gpu_percent = 100")
@@ -577,6 +673,7 @@ class OffloadStepEngine(HFStepEngine):
             model, tokenizer, device, max_seq_len, build.get("kv_max_tokens"),
             read_model_json(mc.model, "generation_config.json"),
             streamer=streamer, streamed=streamed, plan=chosen, layout=layout,
+            kv_compress=(head_dim, group) if group else None,
         )
         return engine
 
