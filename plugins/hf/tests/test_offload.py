@@ -266,31 +266,3 @@ def test_compress_cache_prefix_hits_copy_codes_and_scales(stories: str) -> None:
     # measured: equal within 1e-6; the bound allows a rounding-boundary flip (see above)
     assert [p[t].logprob for p, t in zip(got.logprobs, got.token_ids)] == pytest.approx(
         [p[t].logprob for p, t in zip(want.logprobs, want.token_ids)], abs=1e-2)
-
-
-def test_prompts_of_one_length_prefill_together_and_match_in_memory(stories: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Equal-width prefill chunks pass through each layer as one group (not one forward per prompt),
-    with each row's KV written to its own slot: tokens and logprobs as in memory."""
-    from lmdock_hf import _offload
-
-    prompts = [[1, 403, 407, 261, 378, 300], [1, 9, 37, 120, 61, 2], [1, 400, 17, 99, 3, 5], [1, 7, 7, 7, 7, 7]]
-    params = SamplingParams(temperature=0, max_new_tokens=12, logprobs=0, ignore_eos=True)
-    with LLM(stories, backend="hf", kv_cache={"enable_prefix_caching": False}) as ref:
-        want = ref.generate(prompts, params)
-    rows: list[int] = []
-    real = _offload._Group.__init__
-
-    def spy(self: Any, engine: Any, chunks: list, all_logits: bool) -> None:
-        if len(chunks[0].token_ids) > 1:
-            rows.append(len(chunks))
-        real(self, engine, chunks, all_logits)
-
-    monkeypatch.setattr(_offload._Group, "__init__", spy)
-    with LLM(stories, backend="hf", kv_cache={"enable_prefix_caching": False}, offload={"weights_gpu_percent": 0, "weights_cpu_percent": 0}) as llm:
-        got = llm.generate(prompts, params)
-    assert max(rows) == 4, rows  # the four prompts prefilled as one group
-    for w, g in zip(want, got):
-        assert list(g.outputs[0].token_ids) == list(w.outputs[0].token_ids)
-        for a, b in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
-            (ta, la), = a.items()
-            assert abs(la.logprob - b[ta].logprob) < 1e-4

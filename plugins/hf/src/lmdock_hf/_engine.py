@@ -117,11 +117,10 @@ class _BatchView:
         if self.width == 1:
             K[self.slot_t, :, self.start_t] = key[:, :, 0]
             V[self.slot_t, :, self.start_t] = value[:, :, 0]
-        else:  # prefill rows of one width (the offload engine batches them; this engine runs one at a time)
-            w = self.width
-            for r, (s, a) in enumerate(zip(self.slots, self.starts)):
-                K[s, :, a : a + w] = key[r]
-                V[s, :, a : a + w] = value[r]
+        else:  # one prefill row
+            s, a = self.slots[0], self.starts[0]
+            K[s, :, a : a + self.width] = key[0]
+            V[s, :, a : a + self.width] = value[0]
         if self.contiguous:
             lo, hi = self.slots[0], self.slots[0] + len(self.slots)
             return K[lo:hi, :, : self.kv_len], V[lo:hi, :, : self.kv_len]

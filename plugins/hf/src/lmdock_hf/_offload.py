@@ -687,19 +687,7 @@ class OffloadStepEngine(HFStepEngine):
         cache.reserve(len(cache), max(c.start + len(c.token_ids) for c in chunks))
         decode = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1 and not c.all_logits]
         decode.sort(key=lambda i: cache.slot_of[chunks[i].seq_id])
-        # Prefill chunks of one width go through each layer together too (one forward over the rows
-        # instead of one per prompt); a chunk that wants every position's logits goes alone.
-        by_width: dict[int, list[int]] = {}
-        alone: list[list[int]] = []
-        taken = set(decode)
-        for i, c in enumerate(chunks):
-            if i in taken:
-                continue
-            if c.all_logits:
-                alone.append([i])
-            else:
-                by_width.setdefault(len(c.token_ids), []).append(i)
-        order: list[list[int]] = ([decode] if decode else []) + list(by_width.values()) + alone
+        order: list[list[int]] = ([decode] if decode else []) + [[i] for i, c in enumerate(chunks) if i not in set(decode)]
         groups = [_Group(self, [chunks[i] for i in idx], chunks[idx[0]].all_logits) for idx in order]
         for li, layer in enumerate(self.decoder.layers):
             slot = None
