@@ -55,11 +55,17 @@ def _interrupted(hard: bool) -> int:
 
 
 def _quiet_engines() -> None:
-    """No transformers "Loading weights" bar or token-length warning in a CLI run (set the variables
-    yourself to see them)."""
+    """No transformers "Loading weights" bar or token-length warning, no torchao import chatter, in a
+    CLI run (set the variables yourself to see the transformers ones)."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    # transformers imports torchao when it is installed (lmdock-hf[quant]), which logs the native
+    # kernels it cannot load here and a torch pytree deprecation at import: warnings, not errors
+    import logging
+
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def _parser() -> argparse.ArgumentParser:
