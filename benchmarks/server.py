@@ -140,9 +140,7 @@ async def raw_stream(port: int, body: dict[str, Any], tr: Trace) -> None:
 async def through_server(path: str, prompts: list[list[int]], n: int, threads: int, client_kind: str = "openai") -> dict[str, Any]:
     import openai
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     tmp = Path(tempfile.mkdtemp(prefix="lmdock-bench-"))
     cfg = tmp / "lmdock.toml"
     cfg.write_text(f'default_model = "bench"\n[server]\nport = {port}\n[models.bench]\nmodel = "{path}"\nbackend = "hf"\n'
