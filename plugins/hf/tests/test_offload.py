@@ -266,3 +266,59 @@ def test_compress_cache_prefix_hits_copy_codes_and_scales(stories: str) -> None:
     # measured: equal within 1e-6; the bound allows a rounding-boundary flip (see above)
     assert [p[t].logprob for p, t in zip(got.logprobs, got.token_ids)] == pytest.approx(
         [p[t].logprob for p, t in zip(want.logprobs, want.token_ids)], abs=1e-2)
+
+
+@pytest.mark.parametrize(("prefill_tokens", "groups"), [(None, [4]), (12, [2, 2]), (6, [1, 1, 1, 1])])
+def test_prompts_of_one_length_prefill_together_and_match_in_memory(stories: str, monkeypatch: pytest.MonkeyPatch, prefill_tokens: int | None, groups: list[int]) -> None:
+    """Equal-width prefill chunks pass through each layer as one group (not one forward per prompt),
+    at most ``prefill_tokens`` tokens a group, each row's KV written to its own slot: tokens and
+    logprobs as in memory."""
+    from lmdock_hf import _offload
+
+    prompts = [[1, 403, 407, 261, 378, 300], [1, 9, 37, 120, 61, 2], [1, 400, 17, 99, 3, 5], [1, 7, 7, 7, 7, 7]]
+    params = SamplingParams(temperature=0, max_new_tokens=12, logprobs=0, ignore_eos=True)
+    with LLM(stories, backend="hf", kv_cache={"enable_prefix_caching": False}) as ref:
+        want = ref.generate(prompts, params)
+    rows: list[int] = []
+    real = _offload._Group.__init__
+
+    def spy(self: Any, engine: Any, chunks: list, all_logits: bool) -> None:
+        if len(chunks[0].token_ids) > 1:
+            rows.append(len(chunks))
+        real(self, engine, chunks, all_logits)
+
+    monkeypatch.setattr(_offload._Group, "__init__", spy)
+    with LLM(stories, backend="hf", kv_cache={"enable_prefix_caching": False}, offload={"weights_gpu_percent": 0, "weights_cpu_percent": 0}) as llm:
+        engine = _engine(llm)
+        assert engine.prefill_tokens == engine.MIN_PREFILL_TOKENS  # stories260K's layers are tiny
+        if prefill_tokens:
+            engine.prefill_tokens = prefill_tokens
+        got = llm.generate(prompts, params)
+    assert rows == groups
+    for w, g in zip(want, got):
+        assert list(g.outputs[0].token_ids) == list(w.outputs[0].token_ids)
+        for a, b in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
+            (ta, la), = a.items()
+            assert abs(la.logprob - b[ta].logprob) < 1e-4
+
+
+def test_kv_cache_grows_by_an_eighth_into_mappings_of_its_own() -> None:
+    """The offload engine's slot cache: slots grow to a multiple of 8 by at least an eighth (66 live
+    sequences take 72 slots, not doubling's 128), and on the CPU each K/V tensor is a mapping of its
+    own, freed with it, not malloc'ed heap that a growth leaves behind."""
+    import torch
+    from lmdock_hf._offload import HostSlotKVCache
+
+    cache = HostSlotKVCache(torch.device("cpu"), torch.float32, 40)
+    sizes = []
+    for seq in range(66):
+        cache.slot(seq)
+        cache.reserve(len(cache), 8)
+        if not sizes or sizes[-1] != cache.cap_slots:
+            sizes.append(cache.cap_slots)
+    assert sizes == [8, 16, 24, 32, 40, 48, 56, 64, 72]
+    k, _v = cache.layer(0, torch.zeros(1, 2, 8, 4))
+    assert k.shape == (72, 2, 40, 4) and not k.any()
+    k[5, 1, 3] = 1.0
+    cache.reserve(80, 8)
+    assert cache.k[0][5, 1, 3].tolist() == [1.0] * 4 and cache.k[0].shape[0] == 88  # kept across the growth

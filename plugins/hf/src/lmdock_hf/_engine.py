@@ -58,7 +58,7 @@ class SlotKVCache(SlotTable):
         """Grow (by doubling) so ``slots`` slots of ``length`` positions fit."""
         new_slots, new_len = self.cap_slots, self.cap_len
         while new_slots < slots:
-            new_slots = max(4, new_slots * 2)
+            new_slots = self._more_slots(new_slots, slots)
         while new_len < length:
             new_len = min(self.max_len, max(64, new_len * 2))
         if (new_slots, new_len) == (self.cap_slots, self.cap_len):
@@ -68,16 +68,22 @@ class SlotKVCache(SlotTable):
             self.v[layer] = self._grown(self.v[layer], new_slots, new_len)
         self.cap_slots, self.cap_len = new_slots, new_len
 
+    def _more_slots(self, have: int, need: int) -> int:
+        return max(4, have * 2)
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device)
+
     def _grown(self, t: torch.Tensor, slots: int, length: int) -> torch.Tensor:
-        out = torch.zeros((slots, t.shape[1], length, t.shape[3]), dtype=t.dtype, device=t.device)
+        out = self._zeros((slots, t.shape[1], length, t.shape[3]), t.dtype, t.device)
         out[: t.shape[0], :, : t.shape[2]] = t
         return out
 
     def layer(self, idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         while len(self.k) <= idx:  # allocated at the first write: heads and dims come from the model
             shape = (self.cap_slots, like.shape[1], self.cap_len, like.shape[3])
-            self.k.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
-            self.v.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
+            self.k.append(self._zeros(shape, like.dtype, like.device))
+            self.v.append(self._zeros(shape, like.dtype, like.device))
         return self.k[idx], self.v[idx]
 
     def release(self, seq_id: int) -> None:
@@ -117,10 +123,11 @@ class _BatchView:
         if self.width == 1:
             K[self.slot_t, :, self.start_t] = key[:, :, 0]
             V[self.slot_t, :, self.start_t] = value[:, :, 0]
-        else:  # one prefill row
-            s, a = self.slots[0], self.starts[0]
-            K[s, :, a : a + self.width] = key[0]
-            V[s, :, a : a + self.width] = value[0]
+        else:  # prefill rows of one width (the offload engine batches them; this engine runs one at a time)
+            w = self.width
+            for r, (s, a) in enumerate(zip(self.slots, self.starts)):
+                K[s, :, a : a + w] = key[r]
+                V[s, :, a : a + w] = value[r]
         if self.contiguous:
             lo, hi = self.slots[0], self.slots[0] + len(self.slots)
             return K[lo:hi, :, : self.kv_len], V[lo:hi, :, : self.kv_len]
