@@ -322,3 +322,26 @@ def test_kv_cache_grows_by_an_eighth_into_mappings_of_its_own() -> None:
     k[5, 1, 3] = 1.0
     cache.reserve(80, 8)
     assert cache.k[0][5, 1, 3].tolist() == [1.0] * 4 and cache.k[0].shape[0] == 88  # kept across the growth
+
+
+@pytest.mark.parametrize(("threads", "request_bytes"), [(1, 1 << 30), (4, 8192), (3, 4 << 20)])
+def test_direct_reader_parts_land_in_place(tmp_path: Path, threads: int, request_bytes: int) -> None:
+    """The layer reader splits a file into aligned parts read by several threads into one buffer:
+    every byte lands where a single read would put it (O_DIRECT, or buffered where refused)."""
+    import mmap
+    import os
+
+    from lmdock_hf._direct import DirectReader, ShortFile
+
+    data = os.urandom(4096 * 10)  # ten pages: parts of 3, 3, 3 and 1 pages with 4 threads
+    (tmp_path / "f.bin").write_bytes(data)
+    buf = mmap.mmap(-1, len(data))
+    reader = DirectReader(threads=threads, request=request_bytes)
+    try:
+        assert reader.read(str(tmp_path / "f.bin"), memoryview(buf)) == len(data)
+        assert bytes(buf) == data
+        big = mmap.mmap(-1, len(data) + 4096)
+        with pytest.raises(ShortFile):
+            reader.read(str(tmp_path / "f.bin"), memoryview(big))
+    finally:
+        reader.close()

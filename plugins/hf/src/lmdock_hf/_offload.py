@@ -29,6 +29,7 @@ import torch
 from lmdock import BackendError, ModelConfig, OffloadPolicy, UnsupportedError
 from lmdock.backend import SeqChunk, StepOutput, read_model_json
 
+from lmdock_hf._direct import DirectReader, ShortFile
 from lmdock_hf._engine import (
     ATTENTION,
     HFStepEngine,
@@ -328,45 +329,28 @@ def ensure_layout(folder: Path, ckpt: Checkpoint, prefix: str, layer_params: lis
 
 
 class LayerReader:
-    """Reads whole layer files with ``O_DIRECT`` (normal reads plus ``POSIX_FADV_DONTNEED`` where the
-    filesystem refuses it, so the page cache never holds the model)."""
+    """Reads whole layer files with ``O_DIRECT``, several requests outstanding (:mod:`lmdock_hf._direct`;
+    normal reads plus ``POSIX_FADV_DONTNEED`` where the filesystem refuses it, so the page cache never
+    holds the model)."""
 
     def __init__(self, layout: Layout) -> None:
         self.layout = layout
-        self.direct = hasattr(os, "O_DIRECT")
+        self._direct = DirectReader()
         self.bytes_read = 0
+
+    @property
+    def direct(self) -> bool:
+        return self._direct.direct
 
     def read(self, layer: int, into: mmap.mmap) -> None:
         path = str(self.layout.path(layer))
-        fd = None
-        if self.direct:
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-            except OSError:
-                self.direct = False
-        if fd is None:
-            fd = os.open(path, os.O_RDONLY)
         try:
-            view = memoryview(into)[: self.layout.layer_bytes]
-            done = 0
-            while done < len(view):
-                try:
-                    n = os.preadv(fd, [view[done:]], done)
-                except OSError:
-                    if not self.direct:
-                        raise
-                    self.direct = False  # the filesystem took the open but not the read
-                    os.close(fd)
-                    fd = os.open(path, os.O_RDONLY)
-                    continue
-                if n <= 0:
-                    raise BackendError(f"lmdock-hf offload: {path} is shorter than its manifest says; delete {self.layout.folder}")
-                done += n
-            if not self.direct and hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            self.bytes_read += done
-        finally:
-            os.close(fd)
+            self.bytes_read += self._direct.read(path, memoryview(into)[: self.layout.layer_bytes])
+        except ShortFile as exc:
+            raise BackendError(f"lmdock-hf offload: {path} is shorter than its manifest says ({exc}); delete {self.layout.folder}") from exc
+
+    def close(self) -> None:
+        self._direct.close()
 
 
 class Slot:
@@ -468,6 +452,7 @@ class Streamer:
             self._free.put(self.slots[0])
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self.reader.close()
 
 
 def measure_read_bandwidth(layout: Layout, layers: int = 2) -> float:
@@ -478,7 +463,7 @@ def measure_read_bandwidth(layout: Layout, layers: int = 2) -> float:
     n = min(layers, layout.num_layers)
     for i in range(n):
         reader.read(i, buf)
-    del reader
+    reader.close()
     return n * layout.layer_bytes / max(time.perf_counter() - t0, 1e-9)
 
 
