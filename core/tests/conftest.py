@@ -34,9 +34,9 @@ def fake(isolated: Path) -> Iterator[FakePlugin]:
 
 @pytest.fixture(params=["inline", "overlap"])
 def host_overlap(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test twice: the FAKE engine without, then with ``releases_gil`` (the loop's output work
-    deferred to its helper thread during the next step; ``lmdock._engine.overlap``)."""
+    """Run a test twice: the FAKE engine without, then with ``overlap_host_work`` (the loop's output
+    work deferred to its helper thread during the next step; ``lmdock._engine.overlap``)."""
     from fakes import FakeStepEngine
 
-    monkeypatch.setattr(FakeStepEngine, "releases_gil", request.param == "overlap", raising=False)
+    monkeypatch.setattr(FakeStepEngine, "overlap_host_work", request.param == "overlap", raising=False)
     return str(request.param)

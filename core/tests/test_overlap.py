@@ -23,7 +23,7 @@ class TimedEngine(FakeStepEngine):
     """Steps take 2 ms outside the GIL (a sleep), and say so; decode calls are logged with their
     thread and time."""
 
-    releases_gil = True
+    overlap_host_work = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -135,3 +135,19 @@ def test_a_detokenizer_failure_fails_its_request_alone(isolated: object, at: int
         assert good.result(timeout=30).outputs[0].text == "a" * 8
         assert llm.generate("y", params)[0].outputs[0].text == "a" * 8
         assert plugin.engines[0].num_sequences() == 0
+
+
+@pytest.mark.parametrize(("engine_says", "setting", "on_helper"), [(True, None, True), (False, None, False), (False, True, True), (True, False, False)])
+def test_scheduler_async_output_overrides_the_engine(isolated: object, engine_says: bool, setting: bool | None, on_helper: bool) -> None:
+    from lmdock import _plugins
+
+    class Engine(TimedEngine):
+        overlap_host_work = engine_says
+
+    plugin = FakePlugin(factory=Engine)
+    _plugins.get_registry().add_plugin(plugin, "fake")
+    scheduler = {} if setting is None else {"scheduler": {"async_output": setting}}
+    with LLM("m", backend="fake", **scheduler) as llm:
+        llm.generate(["ab", "cde"], SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
+    names = {name for name, _ in plugin.engines[0].decodes}
+    assert ("lmdock-output" in names) is on_helper, names

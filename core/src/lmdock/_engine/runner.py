@@ -12,7 +12,7 @@ the loop is a numbered pipeline (``StepRunner._step``):
 7. append, detokenize and check stops (``OutputProcessor``); release finished sequences at once;
 8. report: every step for streaming requests, at the end for the others.
 
-Overlap: on an engine that releases the GIL while it computes (``releases_gil``), the detokenization
+Overlap (``async_output``): on an engine whose step leaves the GIL and a CPU core free, the detokenization
 and reports of requests without stop strings are deferred from 7-8 to a helper thread that runs
 them during the next step's ``engine.step`` (``lmdock._engine.overlap``).  What the next step
 depends on (the token, EOS, stop token ids, length) is still decided in 7; pending work is flushed
@@ -72,6 +72,7 @@ class StepRunner:
         max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
         constraints_for: Callable[[Any, int], Sequence[Any] | None] | None = None,
         prefix_caching: bool = False,
+        async_output: bool | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
@@ -98,8 +99,11 @@ class StepRunner:
         self._closing = False
         self._closed = False
         self._dead: BaseException | None = None
-        #: overlap: a helper thread for deferred output work, on engines that release the GIL
-        self._worker: HostWorker | None = HostWorker() if getattr(engine, "releases_gil", False) else None
+        #: overlap: a helper thread for deferred output work (``async_output``; by default where the
+        #: engine's step leaves the GIL and a core free)
+        if async_output is None:
+            async_output = bool(getattr(engine, "overlap_host_work", False))
+        self._worker: HostWorker | None = HostWorker() if async_output else None
         #: the last step's deferred work: (seq, token, stopped by token) to detokenize, then requests
         #: to report; run during the next engine step, or flushed
         self._pending: tuple[list[tuple[Seq, int, bool]], list[Req]] | None = None

@@ -194,11 +194,10 @@ class SlotCache(SlotTable):
 class OnnxStepEngine:
     """An exported causal LM on an ONNX Runtime session."""
 
-    #: ``InferenceSession.run_with_iobinding`` runs without the GIL: the core overlaps its host work
-    releases_gil = True
-
     def __init__(self, session: Any, layout: Layout, tokenizer: Any, *, eos: tuple[int, ...], max_seq_len: int,
                  vocab_size: int, generation_config: dict[str, Any], kv_max_tokens: int | None, folder: Path) -> None:
+        #: on an accelerator the CPU waits while ONNX Runtime runs: the core overlaps its output work
+        self.overlap_host_work = session.get_providers()[0] != "CPUExecutionProvider"
         self.session = session
         self.layout = layout
         self.tokenizer = tokenizer
