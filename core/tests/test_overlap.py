@@ -127,12 +127,12 @@ def test_a_detokenizer_failure_fails_its_request_alone(isolated: object, at: int
     plugin = FakePlugin(factory=lambda: poisoned(at))
     _plugins.get_registry().add_plugin(plugin, "fake")
     params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
-    with LLM("m", backend="fake") as llm:
-        good = llm.generate_async("y", params)
+    with LLM("m", backend="fake") as llm:  # four requests: enough for the hand-off (MIN_DEFERRED)
+        good = [llm.generate_async(p, params) for p in ("y", "ab", "cde")]
         bad = llm.generate_async("x", params)
         with pytest.raises(RequestError, match="detokeniz.*cannot decode"):
             bad.result(timeout=30)
-        assert good.result(timeout=30).outputs[0].text == "a" * 8
+        assert [g.result(timeout=30).outputs[0].text for g in good] == ["a" * 8] * 3
         assert llm.generate("y", params)[0].outputs[0].text == "a" * 8
         assert plugin.engines[0].num_sequences() == 0
 
@@ -148,6 +148,6 @@ def test_scheduler_async_output_overrides_the_engine(isolated: object, engine_sa
     _plugins.get_registry().add_plugin(plugin, "fake")
     scheduler = {} if setting is None else {"scheduler": {"async_output": setting}}
     with LLM("m", backend="fake", **scheduler) as llm:
-        llm.generate(["ab", "cde"], SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
+        llm.generate(["ab", "cde", "xyz", "hello"], SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
     names = {name for name, _ in plugin.engines[0].decodes}
     assert ("lmdock-output" in names) is on_helper, names

@@ -52,6 +52,10 @@ log = logging.getLogger("lmdock.engine")
 
 #: Consecutive failed engine steps after which the engine is declared dead.
 MAX_CONSECUTIVE_FAILURES = 3
+#: Overlap: a step's output work goes to the helper thread only when it has at least this many
+#: texts to detokenize and outputs to report; less does not pay for the hand-off (~10-20 us,
+#: ``benchmarks/engine_overhead.py --compute-us``).
+MIN_DEFERRED = 4
 
 
 class StepRunner:
@@ -481,7 +485,9 @@ class StepRunner:
                 if seq.constraint is not None:
                     seq.constraint.accept(sample.token)
                 if texts is not None and not seq.stops.stops:
-                    texts.append((seq, sample.token, append_token(seq, sample)))
+                    by_token = append_token(seq, sample)
+                    if seq.detok is not None:
+                        texts.append((seq, sample.token, by_token))
                 else:
                     append(seq, sample)
                 if seq.finish_reason is None and seq.constraint is not None and seq.constraint.is_complete():
@@ -508,8 +514,10 @@ class StepRunner:
                 reports.append(req)
             else:
                 safe_put(req.sink, self.output.snapshot(req))
-        if texts or reports:
-            self._pending = (texts or [], reports)
+        if texts is not None and len(texts) + len(reports) >= MIN_DEFERRED:
+            self._pending = (texts, reports)
+        elif texts or reports:  # too little to pay for the hand-off: now
+            self._settle(self._emit((texts or [], reports)))
 
     def _engine_step(self, plan: list[tuple[Any, int]], chunks: list[SeqChunk]) -> Any:
         """Run the engine, with the last step's deferred output work beside it on the helper thread;
