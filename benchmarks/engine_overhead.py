@@ -11,7 +11,12 @@ wall time and as the CPU time of the loop's thread (what a busy machine does not
 token ids" skips detokenization (``detokenize=False``); "greedy" includes incremental detokenization
 with a cheap pure-Python tokenizer (two decodes of a short window per token, as vLLM does).
 Targets (issue: the loop at engine speed): a <= 30 us, b <= 3 us, greedy.
-Run: ``python benchmarks/engine_overhead.py [--tokens 128] [--repeat 3]``.
+
+``--compute-us N``: the engine's step sleeps N us (outside the GIL, using no CPU: an accelerator's
+forward as the host sees it) and the runs are made with ``[scheduler] async_output`` off and on.
+Printed: wall time per step, the time the step spent in the engine, and the difference: host time
+left on the critical path (with async_output, detokenization and delivery run beside the step).
+Run: ``python benchmarks/engine_overhead.py [--tokens 128] [--repeat 3] [--compute-us 1000]``.
 """
 
 from __future__ import annotations
@@ -37,8 +42,11 @@ class CharTokenizer:
 class ZeroComputeEngine:
     """A FAKE step engine: fixed logits, no KV state beyond a set of live ids."""
 
-    def __init__(self) -> None:
+    def __init__(self, compute_s: float = 0.0) -> None:
         import numpy as np
+
+        self.compute_s = compute_s
+        self.in_step = 0.0  # seconds spent inside step()
 
         self.tokenizer = CharTokenizer()
         self.vocab_size = 512
@@ -54,6 +62,10 @@ class ZeroComputeEngine:
     def step(self, chunks: Any) -> Any:
         from lmdock.backend import StepOutput
 
+        if self.compute_s:
+            t0 = time.perf_counter()
+            time.sleep(self.compute_s)
+            self.in_step += time.perf_counter() - t0
         for c in chunks:
             self.live.add(c.seq_id)
         return StepOutput(self.rows[: len(chunks)], {c.seq_id: self.rows[: len(c.token_ids)] for c in chunks if c.all_logits})
@@ -72,9 +84,10 @@ class ZeroComputeEngine:
         pass
 
 
-def measure(batch: int, tokens: int, params: Any) -> tuple[float, float]:
+def measure(batch: int, tokens: int, params: Any, compute_s: float = 0.0, async_output: bool = False) -> tuple[float, float, float]:
     """Seconds per decode step for ``batch`` concurrent requests of ``tokens`` tokens each: wall time,
-    and the CPU time of the loop's thread (which a busy machine does not inflate)."""
+    the CPU time of the loop's thread (which a busy machine does not inflate), and the time spent
+    in the engine's step."""
     from lmdock._engine.runner import StepRunner
     from lmdock._engine.sampler import ReferenceSampler
     from lmdock._engine.scheduler import FcfsScheduler
@@ -82,7 +95,7 @@ def measure(batch: int, tokens: int, params: Any) -> tuple[float, float]:
     from lmdock._sinks import RequestFuture
     from lmdock.backend import EngineRequest
 
-    engine = ZeroComputeEngine()
+    engine = ZeroComputeEngine(compute_s)
     cpu: list[float] = []
     loop = StepRunner._loop
 
@@ -94,7 +107,8 @@ def measure(batch: int, tokens: int, params: Any) -> tuple[float, float]:
             cpu.append(time.thread_time() - t0)
 
     StepRunner._loop = timed_loop  # type: ignore[method-assign]
-    runner = StepRunner(engine, FcfsScheduler(SchedulerConfig(max_num_seqs=max(batch, 1)), 4096, None), ReferenceSampler())
+    runner = StepRunner(engine, FcfsScheduler(SchedulerConfig(max_num_seqs=max(batch, 1)), 4096, None), ReferenceSampler(),
+                        async_output=async_output)
     try:
         prompt = [1] + [3 + (i % 500) for i in range(15)]
         futures = []
@@ -109,7 +123,8 @@ def measure(batch: int, tokens: int, params: Any) -> tuple[float, float]:
     finally:
         runner.close()
         StepRunner._loop = loop  # type: ignore[method-assign]
-    return elapsed / tokens, cpu[0] / tokens  # one prefill step, then decode steps: per generated token
+    # one prefill step, then decode steps: per generated token
+    return elapsed / tokens, cpu[0] / tokens, engine.in_step / tokens
 
 
 def main() -> None:
@@ -117,6 +132,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--batches", default="1,8,64,256")
+    ap.add_argument("--compute-us", type=float, default=0.0, help="the engine step sleeps this long (an accelerator's forward)")
     args = ap.parse_args()
 
     from lmdock import SamplingParams
@@ -128,6 +144,16 @@ def main() -> None:
                                             max_new_tokens=args.tokens, ignore_eos=True),
     }
     batches = [int(b) for b in args.batches.split(",")]
+    if args.compute_us:
+        print(f"step engine that waits {args.compute_us:.0f} us per step outside the GIL, {args.tokens} tokens per request, best of {args.repeat}")
+        print(f"{'sampling':<20} {'batch':>6} {'async_output':>13} {'wall us/step':>13} {'in engine':>10} {'host on critical path':>22}")
+        for name, params in settings.items():
+            for b in batches:
+                for on in (False, True):
+                    runs = [measure(b, args.tokens, params, args.compute_us / 1e6, on) for _ in range(args.repeat)]
+                    wall, _, eng = min(runs, key=lambda r: r[0] - r[2])
+                    print(f"{name:<20} {b:>6} {'on' if on else 'off':>13} {wall * 1e6:>13.1f} {eng * 1e6:>10.1f} {(wall - eng) * 1e6:>22.1f}")
+        return
     print(f"zero-compute step engine, {args.tokens} tokens per request, best of {args.repeat}")
     print(f"{'sampling':<20} {'batch':>6} {'wall us/step':>13} {'loop CPU us/step':>17} {'CPU us/seq/step':>16}")
     for name, params in settings.items():

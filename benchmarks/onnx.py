@@ -8,7 +8,10 @@ Sides, each in its own subprocess, each with ONNX Runtime's default threads:
 * plain onnxruntime: a Python loop over lmdock's exported graph with ``InferenceSession.run``,
   argmax, and the KV cache grown by concatenation (what a first hand-written loop does).
 Workloads: batch 1 and batch 8 (the same prompt eight times, so no side pads), greedy, EOS ignored,
-128 new tokens per sequence, prefill included; best of 3 timed runs after one warm-up.
+128 new tokens per sequence, prefill included; best of 3 timed runs after one warm-up.  Each twice:
+"text" (lmdock's default, incremental detokenization; onnxruntime-genai decodes each new token with
+a ``TokenizerStream`` per sequence, as its examples do) and "token ids" (lmdock with
+``detokenize=False``; onnxruntime-genai without decoding; the plain loop never decodes).
 Models: stories260K-hd32 (stories260K with head size 32, exactly equivalent: onnxruntime-genai's
 GroupQueryAttention needs head sizes that are multiples of 16) from ``LMDOCK_MODELS``, and a
 random-weight Llama of about 100M parameters (``benchmarks/_common.py``).
@@ -66,37 +69,43 @@ def worker(side: str, model: str, tokens: int) -> dict[str, float | str]:
         import lmdock
 
         llm = lmdock.LLM(model, backend="onnx", build={"dtype": "float32"})
-        params = lmdock.SamplingParams(temperature=0, max_new_tokens=tokens, ignore_eos=True)
         extra = {"folder": str(llm.engine.engine.folder)}
 
-        def run(batch: int) -> int:
+        def run(batch: int, text: bool) -> int:
+            params = lmdock.SamplingParams(temperature=0, max_new_tokens=tokens, ignore_eos=True, detokenize=text)
             outs = llm.generate([PROMPT] * batch, params, use_tqdm=False)
             return sum(len(o.outputs[0].token_ids) for o in outs)
     elif side == "genai":
         import onnxruntime_genai as og
 
         og_model = og.Model(model)
-        ids = og.Tokenizer(og_model).encode(PROMPT)
+        og_tokenizer = og.Tokenizer(og_model)
+        ids = og_tokenizer.encode(PROMPT)
         extra = {}
 
-        def run(batch: int) -> int:
+        def run(batch: int, text: bool) -> int:
             params = og.GeneratorParams(og_model)
             params.set_search_options(do_sample=False, batch_size=batch, max_length=len(ids) + tokens, min_length=len(ids) + tokens)
             gen = og.Generator(og_model, params)
             gen.append_tokens([list(ids)] * batch)
-            n = 1  # append_tokens computed the first new token's logits; generate_next_token samples it
-            gen.generate_next_token()
+            streams = [og_tokenizer.create_stream() for _ in range(batch)] if text else []
+            out = [""] * batch
+            n = 0  # append_tokens computed the first new token's logits; generate_next_token samples it
             while not gen.is_done():
                 gen.generate_next_token()
                 n += 1
+                if text:
+                    for i, token in enumerate(gen.get_next_tokens()):
+                        out[i] += streams[i].decode(int(token))
             return n * batch
     else:
         run = _plain_loop(model, tokens)
         extra = {}
     result: dict[str, float | str] = {"start_s": time.perf_counter() - t0, **extra}
     for batch in BATCHES:
-        run(batch)  # warm-up
-        result[f"batch {batch}"] = max(_rate(run, batch) for _ in range(3))
+        for text in (False, True) if side != "ort" else (False,):
+            run(batch, text)  # warm-up
+            result[f"batch {batch}{', text' if text else ''}"] = max(_rate(run, batch, text) for _ in range(3))
     return result
 
 
@@ -110,7 +119,7 @@ def _plain_loop(folder: str, tokens: int):  # type: ignore[no-untyped-def]
     shape = session.get_inputs()[3].shape
     ids = AutoTokenizer.from_pretrained(folder).encode(PROMPT)
 
-    def run(batch: int) -> int:
+    def run(batch: int, text: bool) -> int:  # never decodes
         past = [np.zeros((batch, shape[1], 0, shape[3]), dtype=np.float32) for _ in past_names]
         x = np.array([ids] * batch, dtype=np.int64)
         start = 0
@@ -128,9 +137,9 @@ def _plain_loop(folder: str, tokens: int):  # type: ignore[no-untyped-def]
     return run
 
 
-def _rate(run, batch: int) -> float:  # type: ignore[no-untyped-def]
+def _rate(run, batch: int, text: bool) -> float:  # type: ignore[no-untyped-def]
     start = time.perf_counter()
-    n = run(batch)
+    n = run(batch, text)
     return n / (time.perf_counter() - start)
 
 
@@ -161,10 +170,14 @@ def main() -> None:
         genai = common.spawn(__file__, "genai", built, args.tokens)
         plain = common.spawn(__file__, "ort", ours["folder"], args.tokens)
         for batch in BATCHES:
-            key = f"batch {batch}"
-            o, b, g, p = (float(side[key]) for side in (ours, ours_on_built, genai, plain))
-            rows.append((model.name, key, f"{o:,.0f}", f"{p:,.0f}", f"{o / p:.2f}x", f"{b:,.0f}", f"{g:,.0f}", f"{b / g:.2f}x"))
-    print(common.table(rows, ("model", "decode", "lmdock-onnx, own export", "plain ORT loop, same graph", "ratio",
+            for text in (False, True):
+                key = f"batch {batch}{', text' if text else ''}"
+                o, b, g = (float(side[key]) for side in (ours, ours_on_built, genai))
+                p = None if text else float(plain[key])
+                rows.append((model.name, f"batch {batch}", "text" if text else "token ids", f"{o:,.0f}",
+                             "—" if p is None else f"{p:,.0f}", "—" if p is None else f"{o / p:.2f}x",
+                             f"{b:,.0f}", f"{g:,.0f}", f"{b / g:.2f}x"))
+    print(common.table(rows, ("model", "decode", "output", "lmdock-onnx, own export", "plain ORT loop, same graph", "ratio",
                               "lmdock-onnx, genai's build", "onnxruntime-genai", "ratio")))
     print("\ntok/s; each ratio compares lmdock-onnx with the other side on the same ONNX graph")
 

@@ -30,3 +30,13 @@ def fake(isolated: Path) -> Iterator[FakePlugin]:
     plugin = FakePlugin()
     _plugins.get_registry().add_plugin(plugin, "fake")
     yield plugin
+
+
+@pytest.fixture(params=["inline", "overlap"])
+def host_overlap(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test twice: the FAKE engine without, then with ``overlap_host_work`` (the loop's output
+    work deferred to its helper thread during the next step; ``lmdock._engine.overlap``)."""
+    from fakes import FakeStepEngine
+
+    monkeypatch.setattr(FakeStepEngine, "overlap_host_work", request.param == "overlap", raising=False)
+    return str(request.param)

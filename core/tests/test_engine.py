@@ -13,6 +13,8 @@ from lmdock import hookimpl as lmdock_hookimpl
 from lmdock._engine.detok import IncrementalDetokenizer
 from lmdock.backend import FcfsScheduler
 
+pytestmark = pytest.mark.usefixtures("host_overlap")
+
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
 
 

@@ -28,6 +28,8 @@ from lmdock._outputs import RequestOutput
 from lmdock._sinks import RequestFuture
 from lmdock.backend import BackendSpec
 
+pytestmark = pytest.mark.usefixtures("host_overlap")
+
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
 PROMPTS = ["a", "bb", "cde", "hello world", "xyz", "ab ab", "q", "the cat"]
 

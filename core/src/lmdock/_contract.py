@@ -151,6 +151,11 @@ class StepEngine(Protocol):
 
     # Optional: ``thread_exit()`` is called in the engine thread as it ends, for resources that
     # belong to that thread (MLX streams, for one).
+    # Optional: ``overlap_host_work = True`` says ``step`` spends its time outside the GIL and leaves
+    # a CPU core free (its forward runs on an accelerator): the core then detokenizes and delivers
+    # the previous step's outputs on a helper thread while ``step`` runs (``lmdock._engine.overlap``;
+    # ``[scheduler] async_output`` overrides it).  ``step``, ``release`` and ``fork`` are still
+    # called from the engine thread only.
 
 
 @dataclass

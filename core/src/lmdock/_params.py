@@ -272,6 +272,10 @@ class SchedulerConfig(_Replaceable):
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     max_waiting: int = 4096
+    #: Detokenize and deliver a step's outputs on a helper thread while the engine computes the
+    #: next step (vLLM's async output processing).  None: when the engine says its step leaves the
+    #: GIL and a CPU core free (``StepEngine.overlap_host_work``: its forward runs on an accelerator).
+    async_output: bool | None = None
 
     def __post_init__(self) -> None:
         _int("max_num_seqs", self.max_num_seqs, 1, optional=False)

@@ -8,7 +8,9 @@ with and without the newest tokens, and emits the difference only when it does n
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from lmdock._tokenizer import Tokenizer
 
@@ -33,10 +35,24 @@ def fast_decode(tokenizer: Tokenizer) -> Callable[[Sequence[int], bool], str]:
     return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
 
+#: ``decode([token])`` per tokenizer and skip flag.  Once a token's text is out, the next step's
+#: "before" window is that one token: one of the two decodes per token becomes a lookup.
+_SINGLES: weakref.WeakKeyDictionary[Any, dict[bool, dict[int, str]]] = weakref.WeakKeyDictionary()
+
+
+def _singles(tokenizer: Tokenizer, skip: bool) -> dict[int, str]:
+    try:
+        per_skip = _SINGLES.setdefault(tokenizer, {})
+    except TypeError:  # not weakly referenceable: this detokenizer keeps its own
+        return {}
+    return per_skip.setdefault(skip, {})
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool) -> None:
         self._decode = fast_decode(tokenizer)
         self._skip = skip_special_tokens
+        self._single = _singles(tokenizer, skip_special_tokens)
         self._ids = list(prompt_ids[-_CONTEXT:])
         self._prefix = 0
         self._read = len(self._ids)
@@ -44,9 +60,15 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (may be empty)."""
-        self._ids.append(token_id)
-        before = self._decode(self._ids[self._prefix : self._read], self._skip)
-        after = self._decode(self._ids[self._prefix :], self._skip)
+        ids = self._ids
+        ids.append(token_id)
+        if self._read - self._prefix == 1:
+            before = self._single.get(ids[self._prefix])
+            if before is None:
+                before = self._single[ids[self._prefix]] = self._decode(ids[self._prefix : self._read], self._skip)
+        else:
+            before = self._decode(ids[self._prefix : self._read], self._skip)
+        after = self._decode(ids[self._prefix :], self._skip)
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
         delta = after[len(before) :]

@@ -26,29 +26,43 @@ class OutputProcessor:
     def append(self, seq: Seq, sample: Sample) -> None:
         """Append a sampled token; set ``finish_reason`` when a stop condition holds.  The caller
         releases finished sequences."""
+        by_token = self.append_token(seq, sample)
+        self.push_text(seq, sample.token, by_token)
+
+    def append_token(self, seq: Seq, sample: Sample) -> bool:
+        """The half of :meth:`append` that the next step depends on: the token, its logprobs, and the
+        stops that need no text (EOS, stop token ids, length).  True if a stop token ended it."""
         tok = sample.token
         params = seq.row.params
         seq.token_ids.append(tok)
         if seq.logprobs is not None and sample.logprob is not None:
             seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + sample.logprob
             seq.logprobs.append(self._sample_logprobs(sample))
-        past_min = seq.num_output >= params.min_new_tokens
-        if past_min and not params.ignore_eos and tok in self.eos_token_ids:
-            seq.finish_reason = "stop"
-        elif past_min and tok in params.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", tok
-        by_token = seq.finish_reason is not None
-        if seq.detok is not None and (not by_token or params.include_stop_str_in_output):
-            delta = seq.detok.push(tok)
-            seq.text = seq.detok.text
-            hit = seq.stops.find(seq.text, len(delta)) if past_min and not by_token else None
+        if seq.num_output >= params.min_new_tokens:
+            if not params.ignore_eos and tok in self.eos_token_ids:
+                seq.finish_reason = "stop"
+                return True
+            if tok in params.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", tok
+                return True
+        limit = params.max_new_tokens
+        if (limit is not None and seq.num_output >= limit) or len(seq.token_ids) >= self.max_seq_len:
+            seq.finish_reason = "length"
+        return False
+
+    def push_text(self, seq: Seq, tok: int, by_token: bool) -> None:
+        """The other half: incremental detokenization and stop strings.  Only a request with stop
+        strings can finish here; for the others the runner may run this while the engine computes
+        the next step (``StepRunner``: overlap)."""
+        if seq.detok is None or (by_token and not seq.row.params.include_stop_str_in_output):
+            return
+        delta = seq.detok.push(tok)
+        seq.text = seq.detok.text
+        if not by_token and seq.stops.stops and seq.num_output >= seq.row.params.min_new_tokens:
+            hit = seq.stops.find(seq.text, len(delta))
             if hit is not None:
-                seq.text, stop = hit
-                seq.finish_reason, seq.stop_reason = "stop", stop
-        if seq.finish_reason is None:
-            limit = params.max_new_tokens
-            if (limit is not None and seq.num_output >= limit) or len(seq.token_ids) >= self.max_seq_len:
-                seq.finish_reason = "length"
+                seq.text, seq.stop_reason = hit
+                seq.finish_reason = "stop"  # a stop string wins over the length limit of the same token
 
     # -- logprobs -----------------------------------------------------------------------------------
 

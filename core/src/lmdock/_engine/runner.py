@@ -12,6 +12,12 @@ the loop is a numbered pipeline (``StepRunner._step``):
 7. append, detokenize and check stops (``OutputProcessor``); release finished sequences at once;
 8. report: every step for streaming requests, at the end for the others.
 
+Overlap (``async_output``): on an engine whose step leaves the GIL and a CPU core free, the detokenization
+and reports of requests without stop strings are deferred from 7-8 to a helper thread that runs
+them during the next step's ``engine.step`` (``lmdock._engine.overlap``).  What the next step
+depends on (the token, EOS, stop token ids, length) is still decided in 7; pending work is flushed
+before anything else touches those requests (new inbox items, failures, an idle loop, shutdown).
+
 Containment: whatever goes wrong while serving one request fails that request alone, with an error that
 names the cause, and releases its state.  Only an engine whose steps keep failing
 (``max_consecutive_failures`` in a row) is declared dead: every waiter gets the error at once and new
@@ -33,6 +39,7 @@ from lmdock._contract import EngineRequest, OutputSink, SeqChunk, StepEngine
 from lmdock._engine.beam import UNSUPPORTED_WITH_BEAMS, beam_choices
 from lmdock._engine.constraints import apply_masks
 from lmdock._engine.output import OutputProcessor
+from lmdock._engine.overlap import HostWorker
 from lmdock._engine.prefix_cache import PromptCache
 from lmdock._engine.queries import Queries
 from lmdock._engine.sampler import LogitsProcessor, Sample, Sampler, log_softmax
@@ -45,6 +52,10 @@ log = logging.getLogger("lmdock.engine")
 
 #: Consecutive failed engine steps after which the engine is declared dead.
 MAX_CONSECUTIVE_FAILURES = 3
+#: Overlap: a step's output work goes to the helper thread only when it has at least this many
+#: texts to detokenize and outputs to report; less does not pay for the hand-off (~10-20 us,
+#: ``benchmarks/engine_overhead.py --compute-us``).
+MIN_DEFERRED = 4
 
 
 class StepRunner:
@@ -65,6 +76,7 @@ class StepRunner:
         max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
         constraints_for: Callable[[Any, int], Sequence[Any] | None] | None = None,
         prefix_caching: bool = False,
+        async_output: bool | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
@@ -91,6 +103,14 @@ class StepRunner:
         self._closing = False
         self._closed = False
         self._dead: BaseException | None = None
+        #: overlap: a helper thread for deferred output work (``async_output``; by default where the
+        #: engine's step leaves the GIL and a core free)
+        if async_output is None:
+            async_output = bool(getattr(engine, "overlap_host_work", False))
+        self._worker: HostWorker | None = HostWorker() if async_output else None
+        #: the last step's deferred work: (seq, token, stopped by token) to detokenize, then requests
+        #: to report; run during the next engine step, or flushed
+        self._pending: tuple[list[tuple[Seq, int, bool]], list[Req]] | None = None
         self._thread = threading.Thread(target=self._loop, name="lmdock-engine", daemon=True)
         self._thread.start()
 
@@ -244,6 +264,8 @@ class StepRunner:
             log.exception("the engine loop stopped")
         finally:
             self._release_everything()
+            if self._worker is not None:
+                self._worker.close()
             # optional: per-thread resources the engine made in this thread (MLX streams)
             thread_exit = getattr(self.engine, "thread_exit", None)
             if thread_exit is not None:
@@ -258,6 +280,8 @@ class StepRunner:
                 self._cv.wait()
             inbox, self._inbox = self._inbox, deque()
             closing = self._closing
+        if inbox or closing:
+            self._flush()  # what is pending goes out before an abort or a shutdown touches it
         for kind, item in inbox:
             self._take(kind, item)
         if closing:
@@ -265,6 +289,8 @@ class StepRunner:
             return False
         if self.scheduler.has_work():
             self._step()
+        if self._pending is not None and not self.scheduler.has_work():
+            self._flush()  # no next step to overlap with
         return self._dead is None
 
     def _take(self, kind: str, item: Any) -> None:
@@ -355,6 +381,7 @@ class StepRunner:
 
     def _die(self, error: BaseException, dead: bool = True) -> None:
         """Fail every waiter with ``error``; with ``dead``, refuse new requests with it too."""
+        self._flush()
         with self._cv:
             self._closing = True
             if dead:
@@ -390,6 +417,8 @@ class StepRunner:
             self._die(BackendError(f"the scheduler failed: {type(exc).__name__}: {exc}"))
             return
         # 2. release what was preempted (recomputed later), fail what can never fit
+        if failed:
+            self._flush()
         if preempted:
             self._drop_prompt_cache()  # KV pressure: cached prompts go before running sequences do
         for seq in preempted:
@@ -401,6 +430,7 @@ class StepRunner:
             self._fail(seq, RequestError(reason))
         plan = [(s, n) for s, n in plan if _live(s)]
         if not plan:
+            self._flush()
             return
         # 3. one engine step
         chunks = []
@@ -443,9 +473,10 @@ class StepRunner:
             samples = self._sample(out.last[ready + [i for _, i in fan]], seqs)
         else:
             samples = self._sample(out.last if len(ready) == len(plan) else out.last[ready], seqs)
-        # 7. append, detokenize, stop
+        # 7. append, detokenize, stop (the text of requests without stop strings: deferred, see Overlap)
         touched: dict[int, Req] = {}
-        append = self.output.append
+        append, append_token = self.output.append, self.output.append_token
+        texts: list[tuple[Seq, int, bool]] | None = [] if self._worker is not None else None
         for seq, sample in zip(seqs, samples):
             req = seq.req
             if sample is None or req.done or seq.finish_reason is not None:
@@ -453,7 +484,12 @@ class StepRunner:
             try:
                 if seq.constraint is not None:
                     seq.constraint.accept(sample.token)
-                append(seq, sample)
+                if texts is not None and not seq.stops.stops:
+                    by_token = append_token(seq, sample)
+                    if seq.detok is not None:
+                        texts.append((seq, sample.token, by_token))
+                else:
+                    append(seq, sample)
                 if seq.finish_reason is None and seq.constraint is not None and seq.constraint.is_complete():
                     seq.finish_reason = "stop"  # the grammar can take no more tokens
             except Exception as exc:
@@ -465,32 +501,91 @@ class StepRunner:
             elif req.request.stream:
                 touched[id(req)] = req
         # 8. report
+        reports: list[Req] = []
         for req in touched.values():
+            if req.done:  # failed by a sibling completion in 7
+                continue
             if req.finished:
                 req.done = True
                 self._reqs.pop(req.request.request_id, None)
+            elif not req.request.stream:
+                continue
+            if texts is not None and not req.seqs[0].stops.stops:
+                reports.append(req)
+            else:
                 safe_put(req.sink, self.output.snapshot(req))
-            elif req.request.stream:
-                safe_put(req.sink, self.output.snapshot(req))
+        if texts is not None and len(texts) + len(reports) >= MIN_DEFERRED:
+            self._pending = (texts, reports)
+        elif texts or reports:  # too little to pay for the hand-off: now
+            self._settle(self._emit((texts or [], reports)))
 
     def _engine_step(self, plan: list[tuple[Any, int]], chunks: list[SeqChunk]) -> Any:
-        """Run the engine; a failure (or a malformed result) fails this step's sequences alone."""
+        """Run the engine, with the last step's deferred output work beside it on the helper thread;
+        a failure (or a malformed result) fails this step's sequences alone."""
+        job, self._pending = self._pending, None
+        errors: list[tuple[Seq, LmdockError]] = []
+        if job is not None:
+            assert self._worker is not None  # noqa: S101 - only the overlap defers work
+            self._worker.start(lambda: errors.extend(self._emit(job)))
+        failure: Exception | None = None
         try:
             out = self.engine.step(chunks)
             _check_output(out, chunks, self.engine.vocab_size)
         except Exception as exc:
-            self._failures += 1
-            error = BackendError(f"the engine step failed: {type(exc).__name__}: {exc}")
-            error.__cause__ = exc
-            log.warning("engine step failed (%d in a row): %s", self._failures, exc)
-            for seq, _ in plan:
-                if _live(seq):
-                    self._fail(seq, error)
-            if self._failures >= self._max_failures:
-                self._die(BackendError(f"the engine failed {self._failures} steps in a row and is declared dead; last error: {type(exc).__name__}: {exc}"))
+            failure = exc
+        finally:  # whatever happened, the helper is done before the loop goes on
+            if job is not None:
+                self._worker.wait()  # type: ignore[union-attr]
+        self._settle(errors)
+        if failure is not None:
+            self._step_failed(plan, failure)
             return None
         self._failures = 0
         return out
+
+    def _step_failed(self, plan: list[tuple[Any, int]], exc: Exception) -> None:
+        self._failures += 1
+        error = BackendError(f"the engine step failed: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        log.warning("engine step failed (%d in a row): %s", self._failures, exc)
+        for seq, _ in plan:
+            if _live(seq):
+                self._fail(seq, error)
+        if self._failures >= self._max_failures:
+            self._die(BackendError(f"the engine failed {self._failures} steps in a row and is declared dead; last error: {type(exc).__name__}: {exc}"))
+
+    # -- overlap: deferred output work ------------------------------------------------------------
+
+    def _emit(self, job: tuple[list[tuple[Seq, int, bool]], list[Req]]) -> list[tuple[Seq, LmdockError]]:
+        """Detokenize, then report: the deferred half of steps 7-8 (on the helper thread, or inline
+        when flushed).  Touches only these requests' text and sinks; failures go back to the loop."""
+        texts, reports = job
+        push = self.output.push_text
+        failed: dict[int, tuple[Seq, LmdockError]] = {}
+        for seq, token, by_token in texts:
+            try:
+                push(seq, token, by_token)
+            except Exception as exc:
+                failed.setdefault(id(seq.req), (seq, _as_request_error(exc, "detokenizing")))
+        snapshot = self.output.snapshot
+        for req in reports:
+            if id(req) not in failed:
+                safe_put(req.sink, snapshot(req))
+        return list(failed.values())
+
+    def _settle(self, errors: list[tuple[Seq, LmdockError]]) -> None:
+        for seq, error in errors:
+            req = seq.req
+            if req is not None and req.done:  # finished, its final output withheld: the error instead
+                safe_fail(req.sink, error)
+            else:
+                self._fail(seq, error)
+
+    def _flush(self) -> None:
+        """Run the pending deferred work now, in the loop thread."""
+        job, self._pending = self._pending, None
+        if job is not None:
+            self._settle(self._emit(job))
 
     def _sample(self, logits: np.ndarray, seqs: list[Seq]) -> list[Sample | None]:
         """Sample the batch at once; if that raises, row by row, so a failing row (its logits

@@ -141,6 +141,8 @@ class HFStepEngine:
     """A transformers causal LM as an lmdock step engine."""
 
     def __init__(self, model: Any, tokenizer: Any, device: torch.device, max_seq_len: int, kv_max_tokens: int | None, generation_config: dict[str, Any]) -> None:
+        #: on an accelerator the CPU waits while the step runs: the core overlaps its output work
+        self.overlap_host_work = device.type != "cpu"
         self.model = model
         self.tokenizer = tokenizer
         self.device = device

@@ -37,6 +37,8 @@ def rope_overrides(config: dict[str, Any]) -> dict[str, Any]:
 
 class MlxStepEngine:
     def __init__(self, model: Any, tokenizer: Any, eos: tuple[int, ...], max_seq_len: int, vocab_size: int, generation_config: dict[str, Any], kv_max_tokens: int | None) -> None:
+        #: on the GPU (Metal) the CPU waits while MLX evaluates: the core overlaps its output work
+        self.overlap_host_work = mx.default_device().type == mx.DeviceType.gpu
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = eos

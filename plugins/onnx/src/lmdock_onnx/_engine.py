@@ -196,6 +196,8 @@ class OnnxStepEngine:
 
     def __init__(self, session: Any, layout: Layout, tokenizer: Any, *, eos: tuple[int, ...], max_seq_len: int,
                  vocab_size: int, generation_config: dict[str, Any], kv_max_tokens: int | None, folder: Path) -> None:
+        #: on an accelerator the CPU waits while ONNX Runtime runs: the core overlaps its output work
+        self.overlap_host_work = session.get_providers()[0] != "CPUExecutionProvider"
         self.session = session
         self.layout = layout
         self.tokenizer = tokenizer
@@ -212,6 +214,7 @@ class OnnxStepEngine:
         self._io = session.io_binding()
         self._bound: tuple[Any, ...] | None = None
         self._kv: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
+        self._io_bufs: tuple[np.ndarray, np.ndarray] = (np.empty(0), np.empty(0))
 
     # -- the step-engine contract ---------------------------------------------------------------
 
@@ -233,11 +236,12 @@ class OnnxStepEngine:
             logits = self._run([c])[0]
             last[i] = logits[-1]
             if c.all_logits:
-                full[c.seq_id] = logits.astype(np.float32, copy=False)  # a fresh array per run
+                full[c.seq_id] = np.array(logits, dtype=np.float32)  # _run's buffer is reused
         return StepOutput(last, full)
 
     def _run(self, chunks: list[SeqChunk]) -> np.ndarray:
-        """One session call over chunks of equal width; returns logits [rows, width, vocab]."""
+        """One session call over chunks of equal width; returns logits [rows, width, vocab] in a
+        buffer that the next call with the same binding overwrites."""
         lay, cache = self.layout, self.cache
         rows, width = len(chunks), len(chunks[0].token_ids)
         slots = [cache.slot_of[c.seq_id] for c in chunks]
@@ -269,18 +273,26 @@ class OnnxStepEngine:
                 io.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
             for name, arr in zip(self._present_names, present):
                 io.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
-            self._bound, self._kv = key, (past, present)  # referenced while bound
+            # token ids and logits: buffers of their own for as long as this binding lasts, bound once
+            ids_buf = np.empty((rows, width), dtype=np.int64)
+            logits_buf = np.empty((rows, width, self.vocab_size), dtype=lay.dtype)
+            io.bind_input("input_ids", "cpu", 0, ids_buf.dtype, list(ids_buf.shape), ids_buf.ctypes.data)
+            io.bind_output("logits", "cpu", 0, logits_buf.dtype, list(logits_buf.shape), logits_buf.ctypes.data)
+            self._bound, self._kv, self._io_bufs = key, (past, present), (ids_buf, logits_buf)  # referenced while bound
         past, present = self._kv
+        ids_buf, logits = self._io_bufs
+        if width == 1:
+            ids_buf[:, 0] = [c.token_ids[0] for c in chunks]
+        else:
+            ids_buf[:] = [list(c.token_ids) for c in chunks]
         seen = int(starts.max()) if shared else past[0].shape[2]  # mask positions before the new tokens
         mask = np.ones((rows, seen + width), dtype=np.int64)
         mask[:, :seen] = np.arange(seen)[None, :] < starts[:, None]
-        feed = {"input_ids": np.array([list(c.token_ids) for c in chunks], dtype=np.int64), "attention_mask": mask}
+        feed = {"attention_mask": mask}
         if lay.position_ids:
             feed["position_ids"] = starts[:, None] + np.arange(width)[None, :]
         for name, arr in feed.items():  # by pointer: each array stays referenced until the run ends
             io.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
-        logits = np.empty((rows, width, self.vocab_size), dtype=lay.dtype)
-        io.bind_output("logits", "cpu", 0, logits.dtype, list(logits.shape), logits.ctypes.data)
         try:
             self.session.run_with_iobinding(io)
         except Exception as exc:  # onnxruntime's own error types: reported as the backend's
@@ -320,7 +332,7 @@ class OnnxStepEngine:
 
     def close(self) -> None:
         self.cache = SlotCache(self.layout, self.max_seq_len)
-        self._bound, self._kv = None, ([], [])
+        self._bound, self._kv, self._io_bufs = None, ([], []), (np.empty(0), np.empty(0))
         self._io = self.session = None
 
     # -- loading --------------------------------------------------------------------------------

@@ -1,0 +1,153 @@
+"""Overlap of the loop's output work with the engine step (``lmdock._engine.overlap``), over the FAKE
+step backend: the work really runs on the helper thread while ``step`` computes, outputs are the same
+as without it, streams stay in order, and a failure there fails its request alone."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+from fakes import PIECES, FakePlugin, FakeStepEngine, FakeTokenizer
+from lmdock import LLM, RequestError, SamplingParams
+from lmdock._contract import SeqChunk, StepOutput
+
+
+def tok(piece: str) -> int:
+    return PIECES.index(piece)
+
+
+class TimedEngine(FakeStepEngine):
+    """Steps take 2 ms outside the GIL (a sleep), and say so; decode calls are logged with their
+    thread and time."""
+
+    overlap_host_work = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.intervals: list[tuple[float, float]] = []
+        self.decodes: list[tuple[str, float]] = []
+        engine = self
+
+        class Logged(FakeTokenizer):
+            def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+                engine.decodes.append((threading.current_thread().name, time.perf_counter()))
+                return super().decode(token_ids, skip_special_tokens)
+
+        self.tokenizer = Logged()
+
+    def step(self, chunks: Sequence[SeqChunk]) -> StepOutput:
+        start = time.perf_counter()
+        time.sleep(0.002)
+        out = super().step(chunks)
+        self.intervals.append((start, time.perf_counter()))
+        return out
+
+
+def test_output_work_runs_on_the_helper_while_the_engine_steps(isolated: object) -> None:
+    from lmdock import _plugins
+
+    inline_plugin = FakePlugin()
+    _plugins.get_registry().add_plugin(inline_plugin, "fake")
+    params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    prompts = ["ab", "cde", "xyz", "hello"]
+    with LLM("m", backend="fake") as llm:
+        reference = [(o.outputs[0].text, o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    _plugins.reset_registry()
+    plugin = FakePlugin(factory=TimedEngine)
+    _plugins.get_registry().add_plugin(plugin, "fake")
+    with LLM("m", backend="fake") as llm:
+        outs = llm.generate(prompts, params)
+        engine = plugin.engines[0]
+    assert [(o.outputs[0].text, o.outputs[0].token_ids) for o in outs] == reference
+    on_helper = [t for name, t in engine.decodes if name == "lmdock-output"]
+    assert on_helper, "no detokenization ran on the helper thread"
+    during = [t for t in on_helper if any(a <= t <= b for a, b in engine.intervals)]
+    # every step after the first has the previous step's text to decode beside it
+    assert len(during) >= len(on_helper) // 2, (len(during), len(on_helper))
+
+
+@pytest.mark.usefixtures("host_overlap")
+def test_streams_grow_in_order_and_end_with_the_final_output(fake: FakePlugin) -> None:
+    params = SamplingParams(temperature=0.9, seed=5, n=2, max_new_tokens=30)
+    prompts = ["ab", "hello", "xyz"]
+    seen: dict[str, list] = {}
+
+    def consume(llm: LLM, prompt: str) -> None:
+        seen[prompt] = list(llm.stream(prompt, params))
+
+    with LLM("m", backend="fake") as llm:
+        threads = [threading.Thread(target=consume, args=(llm, p)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        finals = llm.generate(prompts, params)
+        assert fake.engines[0].num_sequences() == 0
+    for prompt, final in zip(prompts, finals):
+        outs = seen[prompt]
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        for i in range(2):
+            texts = [o.outputs[i].text for o in outs]
+            assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), texts
+        assert [c.text for c in outs[-1].outputs] == [c.text for c in final.outputs]
+        assert [c.token_ids for c in outs[-1].outputs] == [c.token_ids for c in final.outputs]
+
+
+class PoisonTokenizer(FakeTokenizer):
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        if tok("é") in token_ids:
+            raise ValueError("cannot decode é")
+        return super().decode(token_ids, skip_special_tokens)
+
+
+def poisoned(at: int) -> FakeStepEngine:
+    """After a prompt ending in "x" the ``at``-th new token is "é" (which the tokenizer cannot
+    decode); otherwise every token is "a"."""
+
+    def logits(tokens: list[int]) -> np.ndarray:
+        out = np.zeros(len(PIECES), dtype=np.float32)
+        x = tok("x")
+        n_out = len(tokens) - tokens.index(x) - 1 if x in tokens else -1
+        out[tok("é") if n_out == at - 1 else tok("a")] = 10.0
+        return out
+
+    engine = FakeStepEngine(logits_fn=logits)
+    engine.tokenizer = PoisonTokenizer()
+    return engine
+
+
+@pytest.mark.usefixtures("host_overlap")
+@pytest.mark.parametrize("at", [3, 8], ids=["midway", "last-token"])
+def test_a_detokenizer_failure_fails_its_request_alone(isolated: object, at: int) -> None:
+    from lmdock import _plugins
+
+    plugin = FakePlugin(factory=lambda: poisoned(at))
+    _plugins.get_registry().add_plugin(plugin, "fake")
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    with LLM("m", backend="fake") as llm:  # four requests: enough for the hand-off (MIN_DEFERRED)
+        good = [llm.generate_async(p, params) for p in ("y", "ab", "cde")]
+        bad = llm.generate_async("x", params)
+        with pytest.raises(RequestError, match="detokeniz.*cannot decode"):
+            bad.result(timeout=30)
+        assert [g.result(timeout=30).outputs[0].text for g in good] == ["a" * 8] * 3
+        assert llm.generate("y", params)[0].outputs[0].text == "a" * 8
+        assert plugin.engines[0].num_sequences() == 0
+
+
+@pytest.mark.parametrize(("engine_says", "setting", "on_helper"), [(True, None, True), (False, None, False), (False, True, True), (True, False, False)])
+def test_scheduler_async_output_overrides_the_engine(isolated: object, engine_says: bool, setting: bool | None, on_helper: bool) -> None:
+    from lmdock import _plugins
+
+    class Engine(TimedEngine):
+        overlap_host_work = engine_says
+
+    plugin = FakePlugin(factory=Engine)
+    _plugins.get_registry().add_plugin(plugin, "fake")
+    scheduler = {} if setting is None else {"scheduler": {"async_output": setting}}
+    with LLM("m", backend="fake", **scheduler) as llm:
+        llm.generate(["ab", "cde", "xyz", "hello"], SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
+    names = {name for name, _ in plugin.engines[0].decodes}
+    assert ("lmdock-output" in names) is on_helper, names
