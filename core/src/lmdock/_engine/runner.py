@@ -16,7 +16,7 @@ Overlap (``async_output``): on an engine whose step leaves the GIL and a CPU cor
 and reports of requests without stop strings are deferred from 7-8 to a helper thread that runs
 them during the next step's ``engine.step`` (``lmdock._engine.overlap``).  What the next step
 depends on (the token, EOS, stop token ids, length) is still decided in 7; pending work is flushed
-before anything else touches those requests (new inbox items, failures, an idle loop, shutdown).
+before anything else touches those requests (aborts, failures, an idle loop, shutdown).
 
 Containment: whatever goes wrong while serving one request fails that request alone, with an error that
 names the cause, and releases its state.  Only an engine whose steps keep failing
@@ -280,8 +280,8 @@ class StepRunner:
                 self._cv.wait()
             inbox, self._inbox = self._inbox, deque()
             closing = self._closing
-        if inbox or closing:
-            self._flush()  # what is pending goes out before an abort or a shutdown touches it
+        if closing or any(kind == "abort" for kind, _ in inbox):
+            self._flush()  # before an abort or a shutdown touches a request; new requests do not
         for kind, item in inbox:
             self._take(kind, item)
         if closing:
