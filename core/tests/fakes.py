@@ -66,6 +66,11 @@ class FakeStepEngine:
         self.released: set[int] = set()
         self.restarts = 0
         self.closed = False
+        #: SeqChunk.argmax_next checked: the token each sequence was promised next, how many promises
+        #: were made, and those broken (seq_id, promised, fed)
+        self.promised: dict[int, int] = {}
+        self.promises = 0
+        self.broken: list[tuple[int, int, int]] = []
 
     def step(self, chunks: Sequence[SeqChunk]) -> StepOutput:
         self.steps += 1
@@ -75,6 +80,9 @@ class FakeStepEngine:
             if c.start == 0 and c.seq_id in self.released:
                 self.restarts += 1  # recomputed after a preemption
                 self.released.discard(c.seq_id)
+            want = self.promised.pop(c.seq_id, None)
+            if want is not None and c.token_ids[0] != want:
+                self.broken.append((c.seq_id, want, c.token_ids[0]))
             held = self.state.setdefault(c.seq_id, [])
             if c.start != len(held):
                 raise AssertionError(f"chunk for seq {c.seq_id} starts at {c.start}, KV holds {len(held)}")
@@ -85,12 +93,16 @@ class FakeStepEngine:
             last[i] = rows[-1]
             if c.all_logits:
                 full[c.seq_id] = np.stack(rows)
+            if c.argmax_next:
+                self.promised[c.seq_id] = int(last[i].argmax())
+                self.promises += 1
         self.max_live = max(self.max_live, len(self.state))
         self.max_tokens = max(self.max_tokens, sum(len(v) for v in self.state.values()))
         return StepOutput(last, full)
 
     def release(self, seq_id: int) -> None:
         self.state.pop(seq_id, None)
+        self.promised.pop(seq_id, None)
         self.released.add(seq_id)
 
     def fork(self, src_seq_id: int, dst_seq_id: int, length: int) -> bool:

@@ -62,6 +62,26 @@ def test_batched_equals_alone_greedy_and_seeded(fake: FakePlugin) -> None:
         assert fake.engines[0].max_live == 16  # they really ran together
 
 
+def test_argmax_next_marks_exactly_the_rows_whose_next_token_is_the_argmax(fake: FakePlugin) -> None:
+    """SeqChunk.argmax_next lets an engine run the next forward ahead from the argmax: the FAKE
+    engine checks that every promised token is the one fed next, and counts the promises."""
+    def promises(params: SamplingParams, prompts: list[str] = PROMPTS[:4]) -> int:
+        before = fake.engines[0].promises
+        llm.generate(prompts, params)
+        return fake.engines[0].promises - before
+
+    with LLM("m", backend="fake", scheduler={"max_num_seqs": 16}) as llm:
+        assert promises(GREEDY) == 4 * 12  # one per token sampled: the prefill's and each decode's
+        assert promises(SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True, logprobs=2)) == 4 * 12
+        assert promises(SamplingParams(temperature=0, max_new_tokens=8, min_new_tokens=5, ignore_eos=True)) == 4 * 3
+        assert promises(SamplingParams(temperature=0.9, seed=1, max_new_tokens=8, ignore_eos=True)) == 0
+        assert promises(SamplingParams(temperature=0, repetition_penalty=1.3, max_new_tokens=8, ignore_eos=True)) == 0
+        assert promises(SamplingParams(beam_width=2, n=2, max_new_tokens=6), ["ab"]) == 0
+        assert promises(SamplingParams(temperature=0, max_new_tokens=16), PROMPTS) > 0  # EOS ends some early
+        assert fake.engines[0].broken == []
+        assert fake.engines[0].promised == {}  # every sequence released, its last promise with it
+
+
 def test_continuous_batching_respects_max_num_seqs_and_chunks_prefill(fake: FakePlugin) -> None:
     long_prompt = "abcdefghijklmnopqrstuvwxyz" * 2
     with LLM("m", backend="fake") as free:

@@ -99,12 +99,20 @@ class SeqChunk:
     chunk's tokens take positions ``start .. start + len(token_ids) - 1``.  A sequence the engine has
     not seen starts at 0.  With ``all_logits`` the engine returns logits for every position of the
     chunk (for prompt logprobs), else for the last one only.
+
+    ``argmax_next`` says the core will take the argmax of this chunk's last logits row as the
+    sequence's next token (greedy, nothing that could change the argmax: no penalties, processors,
+    grammar or beam search, ``min_new_tokens`` reached).  An engine may use it to start the next
+    forward from that token before the host has sampled (``lmdock-mlx`` does); the next chunk still
+    says which token was chosen, and an engine that ran ahead must check and undo when it differs
+    or when the sequence does not come back.
     """
 
     seq_id: int
     token_ids: Sequence[int]
     start: int
     all_logits: bool = False
+    argmax_next: bool = False
 
 
 @dataclass

@@ -95,8 +95,8 @@ def test_decode_group_survives_joins_and_leaves(stories: Path) -> None:
         alone = [llm.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
         engine = llm.engine.engine  # the step engine under lmdock's loop
         sizes: list[int] = []
-        decode_group = engine._decode_group
-        engine._decode_group = lambda tokens: (sizes.append(len(engine.group_ids)), decode_group(tokens))[1]
+        forward_group = engine._forward_group  # every group forward, run ahead or not
+        engine._forward_group = lambda ids: (sizes.append(len(engine.group_ids)), forward_group(ids))[1]
         futures = [llm.generate_async(p, sp) for p, sp in zip(prompts[:2], params[:2])]
         futures[1].result(timeout=60)  # a row leaves while the first request is still decoding
         futures += [llm.generate_async(p, sp) for p, sp in zip(prompts[2:], params[2:])]  # rows join
@@ -108,3 +108,107 @@ def test_decode_group_survives_joins_and_leaves(stories: Path) -> None:
         assert engine.group_ids == [] and engine.caches == {}  # every row and cache released
     assert together == alone
     assert max(sizes) >= 4 and len(set(sizes)) >= 3  # the group grew and shrank while decoding
+
+
+def _engine(stories: Path):  # type: ignore[no-untyped-def]
+    """The step engine itself, driven from this thread (MLX streams belong to the thread using them)."""
+    from lmdock import ModelConfig
+    from lmdock_mlx._engine import MlxStepEngine
+
+    return MlxStepEngine.load(ModelConfig(model=str(stories)), None, None, {"max_seq_len": 256})
+
+
+def _decode(engine, prompts: list[list[int]], feed, n: int, ahead: bool) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """Prefill ``prompts`` as sequences 0..k-1, then ``n`` decode steps of the whole group; ``feed``
+    picks each row's next token from its logits row and the step number."""
+    from lmdock.backend import SeqChunk
+
+    tokens = [list(p) for p in prompts]
+    last = engine.step([SeqChunk(s, p, 0, argmax_next=ahead) for s, p in enumerate(prompts)]).last
+    for t in range(n):
+        for s in range(len(tokens)):
+            tokens[s].append(feed(last[s], t, s))
+        last = engine.step([SeqChunk(s, [tokens[s][-1]], len(tokens[s]) - 1, argmax_next=ahead) for s in range(len(tokens))]).last
+    return tokens
+
+
+PROMPTS = [[1, 403, 407, 261], [1, 378, 317], [1, 430, 261, 5, 7], [1, 90]]
+
+
+def test_run_ahead_keeps_the_greedy_tokens(stories: Path) -> None:
+    """With argmax_next the group's next forward is queued from the device's argmax; the tokens are
+    those of the same engine without it, and each step after the first takes the step run ahead."""
+    greedy = lambda row, t, s: int(np.argmax(row))  # noqa: E731
+    plain = _decode(_engine(stories), PROMPTS, greedy, 24, ahead=False)
+    engine = _engine(stories)
+    forwards: list[int] = []
+    forward_group = engine._forward_group
+    engine._forward_group = lambda ids: (forwards.append(1), forward_group(ids))[1]
+    ahead = _decode(engine, PROMPTS, greedy, 24, ahead=True)
+    assert ahead == plain
+    assert engine.ahead is not None  # the step after the last one was queued
+    assert len(forwards) == 25  # each of the 24 steps computed once, and the one queued after the last
+
+
+def test_run_ahead_undone_when_the_token_differs(stories: Path) -> None:
+    """A row fed something other than the argmax (what a sampler might pick): the position run ahead
+    is trimmed and the step recomputed, so the logits equal an engine that never ran ahead."""
+    from lmdock.backend import SeqChunk
+
+    def feed(row, t, s):  # type: ignore[no-untyped-def]
+        top = np.argsort(row)[::-1]
+        return int(top[1] if (t + s) % 3 == 0 else top[0])  # the runner-up now and then
+
+    plain_engine, ahead_engine = _engine(stories), _engine(stories)
+    plain = _decode(plain_engine, PROMPTS, feed, 20, ahead=False)
+    ahead = _decode(ahead_engine, PROMPTS, feed, 20, ahead=True)
+    assert ahead == plain
+    # the KV state agrees too: one more step from both, and a row that leaves the group
+    nxt = [SeqChunk(s, [7], len(plain[s]), argmax_next=True) for s in range(3)]
+    np.testing.assert_allclose(ahead_engine.step(nxt).last, plain_engine.step(nxt).last, atol=1e-5)
+
+
+def test_run_ahead_survives_a_row_leaving(stories: Path) -> None:
+    """A sequence released while its step run ahead is queued: the other rows keep theirs."""
+    from lmdock.backend import SeqChunk
+
+    greedy = lambda row, t, s: int(np.argmax(row))  # noqa: E731
+    plain_engine, engine = _engine(stories), _engine(stories)
+    want = _decode(plain_engine, PROMPTS, greedy, 12, ahead=False)
+    got = _decode(engine, PROMPTS, greedy, 6, ahead=True)
+    engine.release(1)
+    assert engine.group_ids == [0, 2, 3] and engine.ahead is not None and len(engine.ahead[0]) == 3
+    rows = [0, 2, 3]
+    last = None
+    for _ in range(6):
+        if last is not None:
+            for r, s in enumerate(rows):
+                got[s].append(int(np.argmax(last[r])))
+        last = engine.step([SeqChunk(s, [got[s][-1]], len(got[s]) - 1, argmax_next=True) for s in rows]).last
+    for r, s in enumerate(rows):
+        got[s].append(int(np.argmax(last[r])))
+    assert [got[s] for s in rows] == [want[s][: len(got[s])] for s in rows]
+    engine.release(0), engine.release(2), engine.release(3)
+    assert engine.num_sequences() == 0 and engine.ahead is None
+
+
+def test_sampled_rows_do_not_run_ahead(stories: Path) -> None:
+    """A sampled request in the batch (argmax_next false for its row): no forward is queued ahead,
+    and seeded results equal those of each request alone."""
+    with LLM(str(stories), backend="mlx") as llm:
+        engine = llm.engine.engine
+        params = [SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True),
+                  SamplingParams(temperature=0.9, seed=7, max_new_tokens=16, ignore_eos=True)]
+        alone = [llm.generate("Once upon a time", p)[0].outputs[0].token_ids for p in params]
+        queued: list[bool] = []
+        step = engine.step
+
+        def watched(chunks):  # type: ignore[no-untyped-def]
+            out = step(chunks)
+            queued.append(engine.ahead is not None)
+            return out
+
+        engine.step = watched
+        both = [o.outputs[0].token_ids for o in llm.generate(["Once upon a time"] * 2, params)]
+    assert both == alone
+    assert queued and not any(queued)

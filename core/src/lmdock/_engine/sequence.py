@@ -55,6 +55,11 @@ class Seq:
         self.beam_lp: np.ndarray | None = None  # beam search: this step's log-softmax, awaiting the others
         #: structured output: this completion's own constraint (``lmdock._engine.constraints``), or None
         self.constraint: Any = req.constraints[index] if req.constraints is not None else None
+        #: the next token is the argmax of the logits once ``min_new_tokens`` is reached
+        #: (``SeqChunk.argmax_next``)
+        self.argmax_from: int | None = (
+            params.min_new_tokens if self.row.plain and self.constraint is None and req.beam is None else None
+        )
 
     def fork(self, seq_id: int) -> Seq:
         """A copy for another beam; KV state is the caller's business (``held`` starts False)."""
@@ -110,6 +115,7 @@ class QuerySeq:
     index = 0
     group = None
     finish_reason = None
+    argmax_from = None
 
     def __init__(self, seq_id: int, token_ids: list[int]) -> None:
         self.seq_id = seq_id

@@ -1,8 +1,18 @@
 """mlx-lm models as an lmdock step engine.
 
 Each sequence keeps its own mlx-lm prompt cache (one ``KVCache`` per layer).  A step builds the
-graphs of every chunk lazily and evaluates them together (one ``mx.eval``), so MLX schedules the
-work of all sequences at once; logits cross to NumPy once per step.
+graphs of every chunk lazily and evaluates them together, so MLX schedules the work of all
+sequences at once; logits cross to NumPy once per step.  Sequences decoding together share one
+``BatchKVCache`` (the decode group).
+
+Running ahead: when the core says every row of the decode group will take the argmax
+(``SeqChunk.argmax_next``), the step also builds the group's next forward from the argmax on the
+device and queues it (``mx.async_eval``) before handing the logits back, as mlx-lm's generators do:
+MLX computes step t+1 while the core samples, detokenizes and reports step t, and building the next
+graph no longer waits for the host.  The next step takes that result when its chunks bring exactly
+the tokens run ahead with; otherwise (a token differs, a row joins, a sequence is forked) the
+speculative position is trimmed from the cache and the step computes as usual.  A row that leaves
+is filtered out of the queued result too.
 
 mlx-lm reads a top-level ``rope_theta`` and ignores transformers 5's ``rope_parameters``: when a
 config has only the latter, the engine passes its value to mlx-lm explicitly instead of letting the
@@ -51,6 +61,9 @@ class MlxStepEngine:
         # across steps (row i is group_ids[i]); their per-sequence caches are not in self.caches.
         self.group_ids: list[int] = []
         self.group: list[Any] = []
+        #: the decode group's next step, run ahead: (the tokens it was fed, one per row, and its
+        #: float32 logits [rows, vocab], queued); the group's caches already hold that position
+        self.ahead: tuple[list[int], Any] | None = None
 
     @classmethod
     def load(cls, mc: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> MlxStepEngine:
@@ -93,30 +106,65 @@ class MlxStepEngine:
 
         pending: list[Any] = [None] * len(chunks)
         decode = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1 and not c.all_logits and c.start > 0 and self._decodable(c.seq_id)]
+        if self.ahead is not None and not self._ahead_matches([chunks[i] for i in decode]):
+            self._cancel_ahead()
         self._regroup([chunks[i].seq_id for i in decode] if len(decode) > 1 else [])
+        group_logits = None
         if self.group_ids:
-            rows = self._decode_group({chunks[i].seq_id: chunks[i].token_ids[0] for i in decode})
-            row_of = {s: r for r, s in enumerate(self.group_ids)}
-            for i in decode:
-                r = row_of[chunks[i].seq_id]
-                pending[i] = rows[r : r + 1]
+            if self.ahead is not None:
+                group_logits, self.ahead = self.ahead[1], None
+            else:
+                group_logits = self._decode_group({chunks[i].seq_id: chunks[i].token_ids[0] for i in decode})
+        grouped = set(decode) if group_logits is not None else set()
         for i, c in enumerate(chunks):
-            if pending[i] is not None:
+            if i in grouped:
                 continue
             cache = self.caches.get(c.seq_id)
             if cache is None or c.start == 0:
                 cache = self.caches[c.seq_id] = make_prompt_cache(self.model)
             logits = self.model(mx.array([list(c.token_ids)]), cache=cache)[0]
-            pending[i] = logits if c.all_logits else logits[-1:]
-        mx.eval(pending)  # every sequence's graph at once
+            pending[i] = (logits if c.all_logits else logits[-1:]).astype(mx.float32)
+        outs = [a for a in pending if a is not None] + ([group_logits] if group_logits is not None else [])
+        run_ahead = group_logits is not None and all(chunks[i].argmax_next for i in decode)
+        if run_ahead:
+            spec = mx.argmax(group_logits, axis=-1)
+            mx.async_eval(spec, *outs)
+            nxt = self._forward_group(spec[:, None])  # built while MLX computes this step
+            mx.async_eval(nxt)
+        else:
+            mx.eval(outs)  # every sequence's graph at once
         last = np.empty((len(chunks), self.vocab_size), dtype=np.float32)
+        if group_logits is not None:
+            rows = np.array(group_logits)  # waits for this step only
+            row_of = {s: r for r, s in enumerate(self.group_ids)}
+            last[decode] = rows[[row_of[chunks[i].seq_id] for i in decode]]
+        if run_ahead:
+            self.ahead = (spec.tolist(), nxt)
         full: dict[int, np.ndarray] = {}
         for i, (c, logits) in enumerate(zip(chunks, pending)):
-            rows = np.array(logits.astype(mx.float32))
+            if logits is None:
+                continue
+            rows = np.array(logits)
             last[i] = rows[-1]
             if c.all_logits:
                 full[c.seq_id] = rows
         return StepOutput(last, full)
+
+    def _ahead_matches(self, decode: list[SeqChunk]) -> bool:
+        """True when this step's decode chunks are exactly the group's rows, fed the tokens run ahead."""
+        assert self.ahead is not None  # noqa: S101
+        if len(decode) != len(self.group_ids):
+            return False
+        tokens = {s: t for s, t in zip(self.group_ids, self.ahead[0])}
+        return all(tokens.get(c.seq_id) == c.token_ids[0] for c in decode)
+
+    def _cancel_ahead(self) -> None:
+        """Forget the step run ahead: its position leaves every row's cache (written over later)."""
+        if self.ahead is None:
+            return
+        self.ahead = None
+        for layer in self.group:
+            layer.trim(1)
 
     def _decodable(self, seq_id: int) -> bool:
         from mlx_lm.models.cache import KVCache
@@ -134,6 +182,8 @@ class MlxStepEngine:
 
         wanted = set(members)
         leaving = [s for s in self.group_ids if s not in wanted]
+        if leaving:
+            self._cancel_ahead()
         for s in leaving:
             row = self.group_ids.index(s)
             self.caches[s] = [layer.extract(row) for layer in self.group]
@@ -154,18 +204,23 @@ class MlxStepEngine:
     def _drop_rows(self, seq_ids: list[int]) -> None:
         keep = [r for r, s in enumerate(self.group_ids) if s not in seq_ids]
         if not keep:
-            self.group_ids, self.group = [], []
+            self.group_ids, self.group, self.ahead = [], [], None
             return
         index = mx.array(keep)
         for layer in self.group:
             layer.filter(index)
         self.group_ids = [self.group_ids[r] for r in keep]
+        if self.ahead is not None:  # the other rows' step run ahead stays valid: rows are independent
+            tokens, logits = self.ahead
+            self.ahead = ([tokens[r] for r in keep], logits[index])
 
     def _decode_group(self, tokens: dict[int, int]) -> Any:
         """One forward for the group: one new token per row, each row at its own position (mlx-lm's
         BatchKVCache keeps per-row RoPE offsets and the left-padding mask)."""
-        ids = mx.array([[tokens[s]] for s in self.group_ids])
-        return self.model(ids, cache=self.group)[:, -1]
+        return self._forward_group(mx.array([[tokens[s]] for s in self.group_ids]))
+
+    def _forward_group(self, ids: Any) -> Any:
+        return self.model(ids, cache=self.group)[:, -1].astype(mx.float32)
 
     def release(self, seq_id: int) -> None:
         self.caches.pop(seq_id, None)
@@ -176,6 +231,7 @@ class MlxStepEngine:
         from mlx_lm.models.cache import KVCache
 
         if src_seq_id in self.group_ids:
+            self._cancel_ahead()
             row = self.group_ids.index(src_seq_id)
             src = [layer.extract(row) for layer in self.group]
         else:
@@ -196,7 +252,7 @@ class MlxStepEngine:
         and a stream left behind aborts the process at exit ("terminate called without an active
         exception")."""
         self.caches.clear()
-        self.group_ids, self.group = [], []
+        self.group_ids, self.group, self.ahead = [], [], None
         mx.synchronize()
         mx.clear_streams()
 
@@ -205,5 +261,5 @@ class MlxStepEngine:
 
     def close(self) -> None:
         self.caches.clear()
-        self.group_ids, self.group = [], []
+        self.group_ids, self.group, self.ahead = [], [], None
         self.model = None
