@@ -135,22 +135,31 @@ def _decode(engine, prompts: list[list[int]], feed, n: int, ahead: bool) -> list
 PROMPTS = [[1, 403, 407, 261], [1, 378, 317], [1, 430, 261, 5, 7], [1, 90]]
 
 
-def test_run_ahead_keeps_the_greedy_tokens(stories: Path) -> None:
-    """With argmax_next the group's next forward is queued from the device's argmax; the tokens are
-    those of the same engine without it, and each step after the first takes the step run ahead."""
+@pytest.mark.parametrize("rows", [4, 1], ids=["decode group", "one sequence"])
+def test_run_ahead_keeps_the_greedy_tokens(stories: Path, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With argmax_next the next forward is queued from the device's argmax; the tokens are those of
+    the same engine without it, and every step takes the step run ahead (nothing is undone)."""
+    from lmdock_mlx import _engine as mod
+
     greedy = lambda row, t, s: int(np.argmax(row))  # noqa: E731
-    plain = _decode(_engine(stories), PROMPTS, greedy, 24, ahead=False)
+    plain = _decode(_engine(stories), PROMPTS[:rows], greedy, 24, ahead=False)
     engine = _engine(stories)
+    undone: list[int] = []
+    undo = mod._Ahead.undo
+    monkeypatch.setattr(mod._Ahead, "undo", lambda self: (undone.append(1), undo(self))[1])
     forwards: list[int] = []
     forward_group = engine._forward_group
     engine._forward_group = lambda ids: (forwards.append(1), forward_group(ids))[1]
-    ahead = _decode(engine, PROMPTS, greedy, 24, ahead=True)
+    ahead = _decode(engine, PROMPTS[:rows], greedy, 24, ahead=True)
     assert ahead == plain
-    assert engine.ahead is not None  # the step after the last one was queued
-    assert len(forwards) == 25  # each of the 24 steps computed once, and the one queued after the last
+    assert engine.ahead is not None and engine.ahead.seq_ids == list(range(rows))  # the step after the last
+    assert undone == []
+    if rows > 1:
+        assert len(forwards) == 25  # each of the 24 steps computed once, and the one queued after the last
 
 
-def test_run_ahead_undone_when_the_token_differs(stories: Path) -> None:
+@pytest.mark.parametrize("rows", [4, 1], ids=["decode group", "one sequence"])
+def test_run_ahead_undone_when_the_token_differs(stories: Path, rows: int) -> None:
     """A row fed something other than the argmax (what a sampler might pick): the position run ahead
     is trimmed and the step recomputed, so the logits equal an engine that never ran ahead."""
     from lmdock.backend import SeqChunk
@@ -160,11 +169,11 @@ def test_run_ahead_undone_when_the_token_differs(stories: Path) -> None:
         return int(top[1] if (t + s) % 3 == 0 else top[0])  # the runner-up now and then
 
     plain_engine, ahead_engine = _engine(stories), _engine(stories)
-    plain = _decode(plain_engine, PROMPTS, feed, 20, ahead=False)
-    ahead = _decode(ahead_engine, PROMPTS, feed, 20, ahead=True)
+    plain = _decode(plain_engine, PROMPTS[:rows], feed, 20, ahead=False)
+    ahead = _decode(ahead_engine, PROMPTS[:rows], feed, 20, ahead=True)
     assert ahead == plain
-    # the KV state agrees too: one more step from both, and a row that leaves the group
-    nxt = [SeqChunk(s, [7], len(plain[s]), argmax_next=True) for s in range(3)]
+    # the KV state agrees too: one more step from both (and, in the group, a row that leaves it)
+    nxt = [SeqChunk(s, [7], len(plain[s]), argmax_next=True) for s in range(max(1, rows - 1))]
     np.testing.assert_allclose(ahead_engine.step(nxt).last, plain_engine.step(nxt).last, atol=1e-5)
 
 
@@ -177,7 +186,7 @@ def test_run_ahead_survives_a_row_leaving(stories: Path) -> None:
     want = _decode(plain_engine, PROMPTS, greedy, 12, ahead=False)
     got = _decode(engine, PROMPTS, greedy, 6, ahead=True)
     engine.release(1)
-    assert engine.group_ids == [0, 2, 3] and engine.ahead is not None and len(engine.ahead[0]) == 3
+    assert engine.group_ids == [0, 2, 3] and engine.ahead is not None and engine.ahead.seq_ids == [0, 2, 3]
     rows = [0, 2, 3]
     last = None
     for _ in range(6):

@@ -5,14 +5,14 @@ graphs of every chunk lazily and evaluates them together, so MLX schedules the w
 sequences at once; logits cross to NumPy once per step.  Sequences decoding together share one
 ``BatchKVCache`` (the decode group).
 
-Running ahead: when the core says every row of the decode group will take the argmax
-(``SeqChunk.argmax_next``), the step also builds the group's next forward from the argmax on the
-device and queues it (``mx.async_eval``) before handing the logits back, as mlx-lm's generators do:
-MLX computes step t+1 while the core samples, detokenizes and reports step t, and building the next
-graph no longer waits for the host.  The next step takes that result when its chunks bring exactly
-the tokens run ahead with; otherwise (a token differs, a row joins, a sequence is forked) the
-speculative position is trimmed from the cache and the step computes as usual.  A row that leaves
-is filtered out of the queued result too.
+Running ahead: when the core says the decode group's rows (or the one sequence decoding alone) will
+take the argmax (``SeqChunk.argmax_next``), the step also builds the next forward from the argmax on
+the device and queues it (``mx.async_eval``) before handing the logits back, as mlx-lm's generators
+do: MLX computes step t+1 while the core samples, detokenizes and reports step t, and building the
+next graph no longer waits for the host.  The next step takes that result when its chunks bring
+exactly the tokens run ahead with; otherwise (a token differs, a sequence joins, is forked or skips
+a step) the position is trimmed from the caches and the step computes as usual.  A group row that
+leaves is filtered out of the queued result too.
 
 mlx-lm reads a top-level ``rope_theta`` and ignores transformers 5's ``rope_parameters``: when a
 config has only the latter, the engine passes its value to mlx-lm explicitly instead of letting the
@@ -45,6 +45,31 @@ def rope_overrides(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class _Ahead:
+    """A decode step run ahead from the argmax: the sequences it covers (the decode group's rows, or
+    one sequence decoding alone), the tokens it was fed, its queued float32 logits, and the caches
+    that already hold its position."""
+
+    def __init__(self, seq_ids: list[int], spec: Any, logits: Any, layers: list[Any]) -> None:
+        self.seq_ids = seq_ids
+        self.spec = spec
+        self.tokens: list[int] = []
+        self.logits = logits
+        self.layers = layers
+
+    def matches(self, decode: Sequence[SeqChunk]) -> bool:
+        """True when this step's decode chunks are exactly these sequences, fed the tokens run ahead."""
+        if len(decode) != len(self.seq_ids):
+            return False
+        fed = dict(zip(self.seq_ids, self.tokens))
+        return all(fed.get(c.seq_id) == c.token_ids[0] for c in decode)
+
+    def undo(self) -> None:
+        """Take the position out of the caches (the next step writes over it)."""
+        for layer in self.layers:
+            layer.trim(1)
+
+
 class MlxStepEngine:
     def __init__(self, model: Any, tokenizer: Any, eos: tuple[int, ...], max_seq_len: int, vocab_size: int, generation_config: dict[str, Any], kv_max_tokens: int | None) -> None:
         #: on the GPU (Metal) the CPU waits while MLX evaluates: the core overlaps its output work
@@ -61,9 +86,8 @@ class MlxStepEngine:
         # across steps (row i is group_ids[i]); their per-sequence caches are not in self.caches.
         self.group_ids: list[int] = []
         self.group: list[Any] = []
-        #: the decode group's next step, run ahead: (the tokens it was fed, one per row, and its
-        #: float32 logits [rows, vocab], queued); the group's caches already hold that position
-        self.ahead: tuple[list[int], Any] | None = None
+        #: the next decode step, run ahead (see the module docstring)
+        self.ahead: _Ahead | None = None
 
     @classmethod
     def load(cls, mc: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> MlxStepEngine:
@@ -106,18 +130,19 @@ class MlxStepEngine:
 
         pending: list[Any] = [None] * len(chunks)
         decode = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1 and not c.all_logits and c.start > 0 and self._decodable(c.seq_id)]
-        if self.ahead is not None and not self._ahead_matches([chunks[i] for i in decode]):
-            self._cancel_ahead()
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and not ahead.matches([chunks[i] for i in decode]):
+            ahead.undo()
+            ahead = None
         self._regroup([chunks[i].seq_id for i in decode] if len(decode) > 1 else [])
         group_logits = None
         if self.group_ids:
-            if self.ahead is not None:
-                group_logits, self.ahead = self.ahead[1], None
-            else:
-                group_logits = self._decode_group({chunks[i].seq_id: chunks[i].token_ids[0] for i in decode})
+            group_logits = ahead.logits if ahead is not None else self._decode_group({chunks[i].seq_id: chunks[i].token_ids[0] for i in decode})
+        elif ahead is not None:  # one sequence decoding alone, in its own cache
+            pending[decode[0]] = ahead.logits
         grouped = set(decode) if group_logits is not None else set()
         for i, c in enumerate(chunks):
-            if i in grouped:
+            if i in grouped or pending[i] is not None:
                 continue
             cache = self.caches.get(c.seq_id)
             if cache is None or c.start == 0:
@@ -125,21 +150,25 @@ class MlxStepEngine:
             logits = self.model(mx.array([list(c.token_ids)]), cache=cache)[0]
             pending[i] = (logits if c.all_logits else logits[-1:]).astype(mx.float32)
         outs = [a for a in pending if a is not None] + ([group_logits] if group_logits is not None else [])
-        run_ahead = group_logits is not None and all(chunks[i].argmax_next for i in decode)
-        if run_ahead:
+        if group_logits is not None and all(chunks[i].argmax_next for i in decode):
             spec = mx.argmax(group_logits, axis=-1)
             mx.async_eval(spec, *outs)
-            nxt = self._forward_group(spec[:, None])  # built while MLX computes this step
-            mx.async_eval(nxt)
+            # built while MLX computes this step; computed while the core samples it
+            self.ahead = _Ahead(list(self.group_ids), spec, self._forward_group(spec[:, None]), self.group)
+        elif len(decode) == 1 and not self.group_ids and chunks[decode[0]].argmax_next:
+            cache = self.caches[chunks[decode[0]].seq_id]
+            spec = mx.argmax(pending[decode[0]], axis=-1)
+            mx.async_eval(spec, *outs)
+            self.ahead = _Ahead([chunks[decode[0]].seq_id], spec, self.model(spec[None], cache=cache)[0].astype(mx.float32), cache)
         else:
             mx.eval(outs)  # every sequence's graph at once
+        if self.ahead is not None:
+            mx.async_eval(self.ahead.logits)
         last = np.empty((len(chunks), self.vocab_size), dtype=np.float32)
         if group_logits is not None:
             rows = np.array(group_logits)  # waits for this step only
             row_of = {s: r for r, s in enumerate(self.group_ids)}
             last[decode] = rows[[row_of[chunks[i].seq_id] for i in decode]]
-        if run_ahead:
-            self.ahead = (spec.tolist(), nxt)
         full: dict[int, np.ndarray] = {}
         for i, (c, logits) in enumerate(zip(chunks, pending)):
             if logits is None:
@@ -148,23 +177,9 @@ class MlxStepEngine:
             last[i] = rows[-1]
             if c.all_logits:
                 full[c.seq_id] = rows
+        if self.ahead is not None:
+            self.ahead.tokens = self.ahead.spec.tolist()
         return StepOutput(last, full)
-
-    def _ahead_matches(self, decode: list[SeqChunk]) -> bool:
-        """True when this step's decode chunks are exactly the group's rows, fed the tokens run ahead."""
-        assert self.ahead is not None  # noqa: S101
-        if len(decode) != len(self.group_ids):
-            return False
-        tokens = {s: t for s, t in zip(self.group_ids, self.ahead[0])}
-        return all(tokens.get(c.seq_id) == c.token_ids[0] for c in decode)
-
-    def _cancel_ahead(self) -> None:
-        """Forget the step run ahead: its position leaves every row's cache (written over later)."""
-        if self.ahead is None:
-            return
-        self.ahead = None
-        for layer in self.group:
-            layer.trim(1)
 
     def _decodable(self, seq_id: int) -> bool:
         from mlx_lm.models.cache import KVCache
@@ -182,8 +197,6 @@ class MlxStepEngine:
 
         wanted = set(members)
         leaving = [s for s in self.group_ids if s not in wanted]
-        if leaving:
-            self._cancel_ahead()
         for s in leaving:
             row = self.group_ids.index(s)
             self.caches[s] = [layer.extract(row) for layer in self.group]
@@ -203,16 +216,18 @@ class MlxStepEngine:
 
     def _drop_rows(self, seq_ids: list[int]) -> None:
         keep = [r for r, s in enumerate(self.group_ids) if s not in seq_ids]
+        ahead = self.ahead if self.ahead is not None and self.ahead.layers is self.group else None
         if not keep:
-            self.group_ids, self.group, self.ahead = [], [], None
+            self.group_ids, self.group = [], []
+            if ahead is not None:
+                self.ahead = None
             return
         index = mx.array(keep)
         for layer in self.group:
             layer.filter(index)
         self.group_ids = [self.group_ids[r] for r in keep]
-        if self.ahead is not None:  # the other rows' step run ahead stays valid: rows are independent
-            tokens, logits = self.ahead
-            self.ahead = ([tokens[r] for r in keep], logits[index])
+        if ahead is not None:  # the other rows' step run ahead stays valid: rows are independent
+            ahead.seq_ids, ahead.tokens, ahead.logits = list(self.group_ids), [ahead.tokens[r] for r in keep], ahead.logits[index]
 
     def _decode_group(self, tokens: dict[int, int]) -> Any:
         """One forward for the group: one new token per row, each row at its own position (mlx-lm's
@@ -226,12 +241,16 @@ class MlxStepEngine:
         self.caches.pop(seq_id, None)
         if seq_id in self.group_ids:
             self._drop_rows([seq_id])
+        elif self.ahead is not None and self.ahead.seq_ids == [seq_id]:
+            self.ahead = None
 
     def fork(self, src_seq_id: int, dst_seq_id: int, length: int) -> bool:
         from mlx_lm.models.cache import KVCache
 
+        if self.ahead is not None and src_seq_id in self.ahead.seq_ids:
+            self.ahead.undo()
+            self.ahead = None
         if src_seq_id in self.group_ids:
-            self._cancel_ahead()
             row = self.group_ids.index(src_seq_id)
             src = [layer.extract(row) for layer in self.group]
         else:
