@@ -221,3 +221,57 @@ def test_sampled_rows_do_not_run_ahead(stories: Path) -> None:
         both = [o.outputs[0].token_ids for o in llm.generate(["Once upon a time"] * 2, params)]
     assert both == alone
     assert queued and not any(queued)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_run_ahead_equals_never_running_ahead_under_a_random_schedule(stories: Path, seed: int) -> None:
+    """Two engines get the same random schedule (new prompts, chunked prefill, decodes, skipped
+    steps, releases, forks, restarts without a release, prompt-logits chunks, a token other than
+    the argmax now and then); one never sees argmax_next. Every step's logits must agree."""
+    import random
+
+    from lmdock.backend import SeqChunk
+
+    rng = random.Random(seed)
+    ref, ahead = _engine(stories), _engine(stories)
+    tokens: dict[int, list[int]] = {}  # each sequence's tokens, the next one to feed included
+    done: dict[int, int] = {}  # positions computed
+    next_id = ran_ahead = 0
+    for _ in range(60):
+        if tokens and rng.random() < 0.1:
+            s = rng.choice(list(tokens))
+            ref.release(s), ahead.release(s)
+            del tokens[s], done[s]
+        elif rng.random() < 0.1 and (src := [s for s in tokens if done[s] > 1]):
+            s = rng.choice(src)
+            length = rng.randint(1, done[s])
+            assert ref.fork(s, next_id, length) == ahead.fork(s, next_id, length)
+            tokens[next_id], done[next_id] = tokens[s][:length] + [rng.randrange(3, 500)], length
+            next_id += 1
+        if rng.random() < 0.25 or not tokens:
+            tokens[next_id], done[next_id] = [1] + [rng.randrange(3, 500) for _ in range(rng.randint(1, 8))], 0
+            next_id += 1
+        plan = []
+        for s in tokens:
+            if done[s] > 0 and rng.random() < 0.1:
+                continue  # not scheduled this step
+            if done[s] > 0 and rng.random() < 0.03:
+                done[s] = 0  # recomputed from the start
+            left = len(tokens[s]) - done[s]
+            plan.append((s, left if rng.random() < 0.7 else rng.randint(1, left), rng.random() < 0.05))
+        rng.shuffle(plan)
+        out = {}
+        for engine, hint in ((ref, False), (ahead, True)):
+            chunks = [SeqChunk(s, tokens[s][done[s] : done[s] + n], done[s], full, hint and done[s] + n == len(tokens[s])) for s, n, full in plan]
+            out[hint] = engine.step(chunks)
+        ran_ahead += ahead.ahead is not None
+        np.testing.assert_allclose(out[True].last, out[False].last, atol=1e-4)
+        for s, full in out[False].full.items():
+            np.testing.assert_allclose(out[True].full[s], full, atol=1e-4)
+        for i, (s, n, _) in enumerate(plan):
+            done[s] += n
+            if done[s] == len(tokens[s]):
+                top = np.argsort(out[False].last[i])[::-1]
+                tokens[s].append(int(top[0] if rng.random() < 0.85 else top[1]))
+        assert ref.num_sequences() == ahead.num_sequences()
+    assert ran_ahead > 5  # the schedule did exercise running ahead

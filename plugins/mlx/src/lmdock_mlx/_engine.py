@@ -10,9 +10,9 @@ take the argmax (``SeqChunk.argmax_next``), the step also builds the next forwar
 the device and queues it (``mx.async_eval``) before handing the logits back, as mlx-lm's generators
 do: MLX computes step t+1 while the core samples, detokenizes and reports step t, and building the
 next graph no longer waits for the host.  The next step takes that result when its chunks bring
-exactly the tokens run ahead with; otherwise (a token differs, a sequence joins, is forked or skips
-a step) the position is trimmed from the caches and the step computes as usual.  A group row that
-leaves is filtered out of the queued result too.
+exactly the tokens run ahead with, at its positions; otherwise (a token differs, a sequence joins or
+skips a step) the position is trimmed from the caches and the step computes as usual.  A group row
+that leaves is filtered out of the queued result too; a fork copies only positions before it.
 
 mlx-lm reads a top-level ``rope_theta`` and ignores transformers 5's ``rope_parameters``: when a
 config has only the latter, the engine passes its value to mlx-lm explicitly instead of letting the
@@ -50,19 +50,21 @@ class _Ahead:
     one sequence decoding alone), the tokens it was fed, its queued float32 logits, and the caches
     that already hold its position."""
 
-    def __init__(self, seq_ids: list[int], spec: Any, logits: Any, layers: list[Any]) -> None:
+    def __init__(self, seq_ids: list[int], starts: list[int], spec: Any, logits: Any, layers: list[Any]) -> None:
         self.seq_ids = seq_ids
+        self.starts = starts  # the position each sequence's token took
         self.spec = spec
         self.tokens: list[int] = []
         self.logits = logits
         self.layers = layers
 
     def matches(self, decode: Sequence[SeqChunk]) -> bool:
-        """True when this step's decode chunks are exactly these sequences, fed the tokens run ahead."""
+        """True when this step's decode chunks are exactly these sequences, at the positions and
+        with the tokens run ahead."""
         if len(decode) != len(self.seq_ids):
             return False
-        fed = dict(zip(self.seq_ids, self.tokens))
-        return all(fed.get(c.seq_id) == c.token_ids[0] for c in decode)
+        fed = {s: (t, p) for s, t, p in zip(self.seq_ids, self.tokens, self.starts)}
+        return all(fed.get(c.seq_id) == (c.token_ids[0], c.start) for c in decode)
 
     def undo(self) -> None:
         """Take the position out of the caches (the next step writes over it)."""
@@ -150,35 +152,44 @@ class MlxStepEngine:
             logits = self.model(mx.array([list(c.token_ids)]), cache=cache)[0]
             pending[i] = (logits if c.all_logits else logits[-1:]).astype(mx.float32)
         outs = [a for a in pending if a is not None] + ([group_logits] if group_logits is not None else [])
+        nxt: _Ahead | None = None
         if group_logits is not None and all(chunks[i].argmax_next for i in decode):
             spec = mx.argmax(group_logits, axis=-1)
             mx.async_eval(spec, *outs)
             # built while MLX computes this step; computed while the core samples it
-            self.ahead = _Ahead(list(self.group_ids), spec, self._forward_group(spec[:, None]), self.group)
+            start = {chunks[i].seq_id: chunks[i].start + 1 for i in decode}
+            nxt = _Ahead(list(self.group_ids), [start[s] for s in self.group_ids], spec, self._forward_group(spec[:, None]), self.group)
         elif len(decode) == 1 and not self.group_ids and chunks[decode[0]].argmax_next:
-            cache = self.caches[chunks[decode[0]].seq_id]
+            c = chunks[decode[0]]
+            cache = self.caches[c.seq_id]
             spec = mx.argmax(pending[decode[0]], axis=-1)
             mx.async_eval(spec, *outs)
-            self.ahead = _Ahead([chunks[decode[0]].seq_id], spec, self.model(spec[None], cache=cache)[0].astype(mx.float32), cache)
+            nxt = _Ahead([c.seq_id], [c.start + 1], spec, self.model(spec[None], cache=cache)[0].astype(mx.float32), cache)
         else:
             mx.eval(outs)  # every sequence's graph at once
-        if self.ahead is not None:
-            mx.async_eval(self.ahead.logits)
-        last = np.empty((len(chunks), self.vocab_size), dtype=np.float32)
-        if group_logits is not None:
-            rows = np.array(group_logits)  # waits for this step only
-            row_of = {s: r for r, s in enumerate(self.group_ids)}
-            last[decode] = rows[[row_of[chunks[i].seq_id] for i in decode]]
-        full: dict[int, np.ndarray] = {}
-        for i, (c, logits) in enumerate(zip(chunks, pending)):
-            if logits is None:
-                continue
-            rows = np.array(logits)
-            last[i] = rows[-1]
-            if c.all_logits:
-                full[c.seq_id] = rows
-        if self.ahead is not None:
-            self.ahead.tokens = self.ahead.spec.tolist()
+        if nxt is not None:
+            mx.async_eval(nxt.logits)
+        try:
+            last = np.empty((len(chunks), self.vocab_size), dtype=np.float32)
+            if group_logits is not None:
+                rows = np.array(group_logits)  # waits for this step only
+                row_of = {s: r for r, s in enumerate(self.group_ids)}
+                last[decode] = rows[[row_of[chunks[i].seq_id] for i in decode]]
+            full: dict[int, np.ndarray] = {}
+            for i, (c, logits) in enumerate(zip(chunks, pending)):
+                if logits is None:
+                    continue
+                rows = np.array(logits)
+                last[i] = rows[-1]
+                if c.all_logits:
+                    full[c.seq_id] = rows
+            if nxt is not None:
+                nxt.tokens = nxt.spec.tolist()
+        except BaseException:
+            if nxt is not None:  # the step fails (its sequences are released): leave no position behind
+                nxt.undo()
+            raise
+        self.ahead = nxt  # kept only once this step has succeeded
         return StepOutput(last, full)
 
     def _decodable(self, seq_id: int) -> bool:
@@ -227,7 +238,8 @@ class MlxStepEngine:
             layer.filter(index)
         self.group_ids = [self.group_ids[r] for r in keep]
         if ahead is not None:  # the other rows' step run ahead stays valid: rows are independent
-            ahead.seq_ids, ahead.tokens, ahead.logits = list(self.group_ids), [ahead.tokens[r] for r in keep], ahead.logits[index]
+            ahead.seq_ids, ahead.logits = list(self.group_ids), ahead.logits[index]
+            ahead.tokens, ahead.starts = [ahead.tokens[r] for r in keep], [ahead.starts[r] for r in keep]
 
     def _decode_group(self, tokens: dict[int, int]) -> Any:
         """One forward for the group: one new token per row, each row at its own position (mlx-lm's
@@ -247,9 +259,7 @@ class MlxStepEngine:
     def fork(self, src_seq_id: int, dst_seq_id: int, length: int) -> bool:
         from mlx_lm.models.cache import KVCache
 
-        if self.ahead is not None and src_seq_id in self.ahead.seq_ids:
-            self.ahead.undo()
-            self.ahead = None
+        # a step run ahead may cover src: its position lies beyond ``length``, which is never copied
         if src_seq_id in self.group_ids:
             row = self.group_ids.index(src_seq_id)
             src = [layer.extract(row) for layer in self.group]
