@@ -48,3 +48,18 @@ def test_generate_through_the_fake_backend(fake: object, capsys: pytest.CaptureF
     assert main(["generate", "-m", "m", "--backend", "fake", "--max-new-tokens", "5", "--temperature", "0", "--json", "ab"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out[0]["outputs"][0]["token_ids"]) <= 5
+
+
+def test_a_late_ctrl_c_does_not_interrupt_the_exit() -> None:
+    """Ctrl-C just as the command finishes (in the interpreter's atexit handlers, where torch's run)
+    is ignored: no "Exception ignored ... KeyboardInterrupt" traceback, exit 0."""
+    code = (
+        "import atexit, os, signal, sys, time\n"
+        "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.2)))\n"
+        "from lmdock._cli import main\n"
+        "sys.argv = ['lmdock', 'backends']\n"
+        "sys.exit(main())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "KeyboardInterrupt" not in out.stderr, out.stderr
+    assert out.returncode == 0

@@ -22,12 +22,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:  # the `lmdock` command itself (tests call main([...]) in-process)
         _quiet_engines()
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
     except LmdockError as exc:
         print(f"lmdock: error: {exc}", file=sys.stderr)
-        return 2
+        code = 2
     except KeyboardInterrupt:
         return _interrupted(hard=argv is None)
+    if argv is None:
+        # The command's work is done: a Ctrl-C landing now could only interrupt the interpreter's
+        # teardown (torch's atexit handlers printed "Exception ignored ... KeyboardInterrupt").
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return code
 
 
 def _interrupted(hard: bool) -> int:

@@ -4,6 +4,7 @@ teardown)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import select
@@ -18,9 +19,13 @@ TRIES = 8
 
 
 def _interrupt_once(model: str, delay: float) -> tuple[int, str]:
-    cmd = [sys.executable, "-m", "lmdock", "generate", "--stream", "-m", model, "--backend", "hf",
+    # JSON lines (~60 bytes a token, 24 KB in all) into a pipe of one page that is not read until the
+    # signal: the command is still streaming when Ctrl-C lands, however fast the machine (a CI run
+    # once finished all 400 tokens within the delay, and the signal met the interpreter's exit)
+    cmd = [sys.executable, "-m", "lmdock", "generate", "--stream", "--json", "-m", model, "--backend", "hf",
            "--ignore-eos", "--max-new-tokens", "400", "--temperature", "1", "Once upon a time"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    fcntl.fcntl(proc.stdout.fileno(), fcntl.F_SETPIPE_SZ, 4096)  # type: ignore[union-attr]
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 180)
         assert ready, "no streamed output within 180 s"
