@@ -453,7 +453,7 @@ def main() -> None:
         drop_caches(files)
         best, passes = read_bandwidth(layouts[k])
         print(f"  layout {k}: {disk[k] / 1e9:.3f} GB, O_DIRECT read {', '.join(f'{r / 1e9:.2f}' for r in passes)} GB/s "
-              f"-> batch-1 bound {best / disk[k]:.2f} tok/s", flush=True)
+              f"-> batch-1 bound with every layer streamed {best / disk[k]:.2f} tok/s", flush=True)
         return best
 
     print(f"model: {model} ({info['model_bytes'] / 1e9:.3f} GB float32 safetensors)", flush=True)
@@ -505,6 +505,7 @@ def main() -> None:
             r["bw"] = bw
             streamed = r["phases"].get("load", {}).get("streamed_bytes") or disk["compress" if worker == "compress" else "plain"]
             r["bound"] = bw / streamed
+            print(f"  this row streams {streamed / 1e9:.3f} GB a step: batch-1 bound {r['bound']:.2f} tok/s", flush=True)
         results[worker] = r
         load = r["phases"].get("load", {})
         print(f"  {outcome(r)}; load {load.get('seconds', float('nan')):.1f} s; CPU used: {r['cpu_self']:.2f} cores by it, "
