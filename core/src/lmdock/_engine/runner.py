@@ -645,7 +645,7 @@ class StepRunner:
             and len(req.prompt_logprobs) < seq.prompt_len
             and start < seq.prompt_len
         )
-        ahead = seq.argmax_from is not None and start + n == len(seq.token_ids) and len(seq.token_ids) - seq.prompt_len >= seq.argmax_from
+        ahead = seq.argmax_from is not None and start + n == len(seq.token_ids) and seq.num_output >= seq.argmax_from
         return SeqChunk(seq.seq_id, seq.token_ids[start : start + n], start, want_all, ahead)
 
     # -- automatic prefix caching --------------------------------------------------------------------
