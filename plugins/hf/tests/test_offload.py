@@ -123,7 +123,7 @@ def test_compress_cache_keeps_prompt_logprobs_near_the_uncompressed_ones(stories
 
 
 def test_compress_cache_gives_transformers_logprobs_with_the_same_4bit_kv(stories: str) -> None:
-    """Tight check of the plumbing (pack, slot writes, dequantizing the right range): the engine
+    """Tight check of the plumbing (encode, slot writes, dequantizing the right range): the engine
     equals transformers whose attention sees K and V quantized and dequantized by ``_fake_kv4``."""
     import torch
     from transformers import AttentionInterface, AutoModelForCausalLM
@@ -179,9 +179,9 @@ def test_compress_cache_pack_round_trip_and_groups() -> None:
     for head_dim, group, dtype in [(8, 8, torch.float32), (128, 64, torch.bfloat16)]:
         cache = CompressedSlotKVCache(torch.device("cpu"), dtype, 64, head_dim, group)
         x = (torch.randn((3, 2, 5, head_dim), generator=gen) * 4).to(dtype)
-        rows = cache.pack(x)
+        rows = cache.encode(x)
         assert rows.dtype == torch.uint8 and rows.shape == (3, 2, 5, head_dim // 2 + head_dim // group * 4)
-        y = cache.unpack(rows, dtype)
+        y = cache.decode(rows, dtype)
         g = x.float().unflatten(-1, (-1, group))
         half_step = ((g.amax(-1) - g.amin(-1)) / 30)[..., None]  # half a quantization step, per group
         err = (y.float() - x.float()).unflatten(-1, (-1, group)).abs()
@@ -189,7 +189,7 @@ def test_compress_cache_pack_round_trip_and_groups() -> None:
         assert y.dtype == dtype and not torch.equal(y, x)
     cache = CompressedSlotKVCache(torch.device("cpu"), torch.float32, 64, 8, 8)
     c = torch.full((1, 1, 1, 8), 0.75)  # a constant group (scale 0) comes back exactly
-    assert torch.equal(cache.unpack(cache.pack(c), torch.float32), c)
+    assert torch.equal(cache.decode(cache.encode(c), torch.float32), c)
 
 
 def test_cost_model_fits_a_larger_batch_with_compress_cache(stories: str) -> None:

@@ -1,11 +1,8 @@
 """The transformers step engine.
 
-KV state lives in a slot cache: per layer, one tensor ``[slots, kv_heads, length, head_dim]``, one
-slot per live sequence, kept compact (a released slot is refilled by the last one), so a decode
-batch of every running sequence is a zero-copy view of the first slots.  The model sees the cache
-through ``_BatchView``, which has the one method attention layers call (``update``), and a 4D
-additive mask that lets each row attend to its own positions only; transformers returns such a mask
-as it is.  Each step runs one forward for all single-token (decode) chunks and one per prefill chunk,
+KV state lives in a slot cache (``lmdock_hf._cache``); the model sees it through a ``BatchView``,
+a ``transformers.cache_utils.Cache`` over the rows of one forward, and a 4D additive mask that lets
+each row attend to its own positions only; transformers returns such a mask as it is.  Each step runs one forward for all single-token (decode) chunks and one per prefill chunk,
 so no row is padded along the query axis.
 """
 
@@ -17,7 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 from lmdock import BackendError, ModelConfig
-from lmdock.backend import SeqChunk, SlotTable, StepOutput, read_model_json
+from lmdock.backend import SeqChunk, StepOutput, read_model_json
+
+from lmdock_hf._cache import BatchView, SlotKVCache, cache_keyword
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ATTENTION = "lmdock_sdpa"
@@ -45,98 +44,6 @@ def _register_attention() -> None:
     AttentionInterface.register(ATTENTION, _sdpa_gqa)
 
 
-class SlotKVCache(SlotTable):
-    def __init__(self, device: torch.device, dtype: torch.dtype, max_len: int) -> None:
-        super().__init__()
-        self.device, self.dtype, self.max_len = device, dtype, max_len
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
-        self.cap_slots = 0
-        self.cap_len = 0
-
-    def reserve(self, slots: int, length: int) -> None:
-        """Grow (by doubling) so ``slots`` slots of ``length`` positions fit."""
-        new_slots, new_len = self.cap_slots, self.cap_len
-        while new_slots < slots:
-            new_slots = self._more_slots(new_slots, slots)
-        while new_len < length:
-            new_len = min(self.max_len, max(64, new_len * 2))
-        if (new_slots, new_len) == (self.cap_slots, self.cap_len):
-            return
-        for layer in range(len(self.k)):
-            self.k[layer] = self._grown(self.k[layer], new_slots, new_len)
-            self.v[layer] = self._grown(self.v[layer], new_slots, new_len)
-        self.cap_slots, self.cap_len = new_slots, new_len
-
-    def _more_slots(self, have: int, need: int) -> int:
-        return max(4, have * 2)
-
-    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype, device=device)
-
-    def _grown(self, t: torch.Tensor, slots: int, length: int) -> torch.Tensor:
-        out = self._zeros((slots, t.shape[1], length, t.shape[3]), t.dtype, t.device)
-        out[: t.shape[0], :, : t.shape[2]] = t
-        return out
-
-    def layer(self, idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        while len(self.k) <= idx:  # allocated at the first write: heads and dims come from the model
-            shape = (self.cap_slots, like.shape[1], self.cap_len, like.shape[3])
-            self.k.append(self._zeros(shape, like.dtype, like.device))
-            self.v.append(self._zeros(shape, like.dtype, like.device))
-        return self.k[idx], self.v[idx]
-
-    def release(self, seq_id: int) -> None:
-        move = super().release(seq_id)
-        if move is not None:  # keep slots compact: the last sequence's KV moves into the hole
-            hole, last = move
-            for k, v in zip(self.k, self.v):
-                k[hole].copy_(k[last])
-                v[hole].copy_(v[last])
-
-    def copy(self, src: int, dst: int, length: int) -> None:
-        s, d = self.slot_of[src], self.slot(dst)
-        self.reserve(len(self), length)
-        for k, v in zip(self.k, self.v):
-            k[d, :, :length] = k[s, :, :length]
-            v[d, :, :length] = v[s, :, :length]
-
-
-class _BatchView:
-    """What the model sees as ``past_key_values`` for one forward over some slots."""
-
-    is_compileable = False
-
-    def __init__(self, cache: SlotKVCache, slots: list[int], starts: list[int], width: int, kv_len: int) -> None:
-        self.cache = cache
-        self.starts = starts
-        self.width = width
-        self.kv_len = kv_len
-        dev = cache.device
-        self.contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
-        self.slots = slots
-        self.slot_t = torch.tensor(slots, device=dev)
-        self.start_t = torch.tensor(starts, device=dev)
-
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, cache_kwargs: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-        K, V = self.cache.layer(layer_idx, key)
-        if self.width == 1:
-            K[self.slot_t, :, self.start_t] = key[:, :, 0]
-            V[self.slot_t, :, self.start_t] = value[:, :, 0]
-        else:  # prefill rows of one width (the offload engine batches them; this engine runs one at a time)
-            w = self.width
-            for r, (s, a) in enumerate(zip(self.slots, self.starts)):
-                K[s, :, a : a + w] = key[r]
-                V[s, :, a : a + w] = value[r]
-        if self.contiguous:
-            lo, hi = self.slots[0], self.slots[0] + len(self.slots)
-            return K[lo:hi, :, : self.kv_len], V[lo:hi, :, : self.kv_len]
-        return K[self.slot_t, :, : self.kv_len], V[self.slot_t, :, : self.kv_len]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.kv_len - self.width
-
-
 class HFStepEngine:
     """A transformers causal LM as an lmdock step engine."""
 
@@ -153,6 +60,7 @@ class HFStepEngine:
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.dtype = next(model.parameters()).dtype
         self.cache = SlotKVCache(device, self.dtype, max_seq_len)
+        self.cache_kw = cache_keyword(model)
         self.forward_calls = 0
 
     # -- loading --------------------------------------------------------------------------------
@@ -216,15 +124,15 @@ class HFStepEngine:
         width = len(chunks[0].token_ids)
         starts = [c.start for c in chunks]
         kv_len = max(starts) + width
-        view = _BatchView(self.cache, [self.cache.slot_of[c.seq_id] for c in chunks], starts, width, kv_len)
+        view = BatchView(self.cache, [self.cache.slot_of[c.seq_id] for c in chunks], starts, width, kv_len)
         ids = torch.tensor([list(c.token_ids) for c in chunks], device=self.device)
         pos = view.start_t[:, None] + torch.arange(width, device=self.device)[None, :]
         out = self.model(
             input_ids=ids,
             attention_mask=self._mask(pos, kv_len, starts, width),
             position_ids=pos,
-            past_key_values=view,
             use_cache=True,
+            **{self.cache_kw: view},
             logits_to_keep=0 if all_logits else 1,
         )
         self.forward_calls += 1

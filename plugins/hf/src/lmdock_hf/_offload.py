@@ -29,12 +29,11 @@ import torch
 from lmdock import BackendError, ModelConfig, OffloadPolicy, UnsupportedError
 from lmdock.backend import SeqChunk, StepOutput, read_model_json
 
+from lmdock_hf._cache import BatchView, SlotKVCache, cache_keyword
 from lmdock_hf._direct import DirectReader, ShortFile
 from lmdock_hf._engine import (
     ATTENTION,
     HFStepEngine,
-    SlotKVCache,
-    _BatchView,
     _context_length,
     _device,
     _dtype,
@@ -147,12 +146,14 @@ class CompressedSlotKVCache(HostSlotKVCache):
     release and ``copy`` (prefix caching, beam forks) move both without knowing the format.
     """
 
+    packed = True
+
     def __init__(self, device: torch.device, dtype: torch.dtype, max_len: int, head_dim: int, group: int) -> None:
         super().__init__(device, dtype, max_len)
         self.head_dim, self.group = head_dim, group
         self.row_bytes = kv_row_bytes(head_dim, group)
 
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., head_dim]`` float -> ``[..., row_bytes]`` uint8 (min-max per group, 16 levels)."""
         if x.shape[-1] != self.head_dim:
             raise BackendError(f"lmdock-hf offload: compress_cache was set up for head_dim {self.head_dim}, the model gave {x.shape[-1]}")
@@ -168,28 +169,14 @@ class CompressedSlotKVCache(HostSlotKVCache):
         meta = torch.stack([lo16, scale16], dim=-1).flatten(-2).contiguous().view(torch.uint8)
         return torch.cat([codes, meta], dim=-1)
 
-    def unpack(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Inverse of :meth:`pack`: ``[..., row_bytes]`` uint8 -> ``[..., head_dim]`` of ``dtype``."""
+    def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Inverse of :meth:`encode`: ``[..., row_bytes]`` uint8 -> ``[..., head_dim]`` of ``dtype``."""
         half = self.head_dim // 2
         codes = rows[..., :half]
         meta = rows[..., half:].contiguous().view(torch.float16).float().unflatten(-1, (-1, 2))
         q = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)
         vals = q.float().unflatten(-1, (-1, self.group)).mul_(meta[..., 1:2]).add_(meta[..., 0:1])
         return vals.flatten(-2).to(dtype)
-
-
-class _CompressedBatchView(_BatchView):
-    """``_BatchView`` over a :class:`CompressedSlotKVCache`: the new positions are written as codes,
-    and attention gets the dequantized K/V of the rows' slots up to ``kv_len`` (only that range is
-    dequantized).  The positions just written are read back dequantized too (FlexLLMGen attends to the
-    token being generated at full precision), so a position reads the same whether it was written by
-    this forward, by an earlier chunk, or came from the prefix cache."""
-
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, cache_kwargs: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-        cache = self.cache
-        assert isinstance(cache, CompressedSlotKVCache)
-        k, v = super().update(cache.pack(key), cache.pack(value), layer_idx, cache_kwargs)
-        return cache.unpack(k, key.dtype), cache.unpack(v, value.dtype)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -553,7 +540,7 @@ class _Group:
         starts = [c.start for c in chunks]
         kv_len = max(starts) + width
         dev = engine.device
-        self.view = engine.view_type(engine.cache, [engine.cache.slot_of[c.seq_id] for c in chunks], starts, width, kv_len)
+        self.view = BatchView(engine.cache, [engine.cache.slot_of[c.seq_id] for c in chunks], starts, width, kv_len)
         ids = torch.tensor([list(c.token_ids) for c in chunks], device=dev)
         self.pos = self.view.start_t[:, None] + torch.arange(width, device=dev)[None, :]
         self.mask = engine._mask(self.pos, kv_len, starts, width)
@@ -570,12 +557,11 @@ class OffloadStepEngine(HFStepEngine):
     def __init__(self, *args: Any, streamer: Streamer | None, streamed: list[int], plan: Plan, layout: Layout | None, kv_compress: tuple[int, int] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.decoder, _ = _decoder(self.model)
-        #: the view attention layers see (see ``_Group``); ``kv_compress`` is (head_dim, group) for compress_cache
-        self.view_type: type[_BatchView] = _BatchView
+        self.layer_cache_kw = cache_keyword(self.decoder.layers[0])
+        #: ``kv_compress`` is (head_dim, group) for compress_cache: the BatchView then stores 4-bit codes
         self.cache = HostSlotKVCache(self.device, self.dtype, self.max_seq_len)
         if kv_compress is not None:
             self.cache = CompressedSlotKVCache(self.device, self.dtype, self.max_seq_len, *kv_compress)
-            self.view_type = _CompressedBatchView
         self.streamer = streamer
         self.streamed = set(streamed)
         self.plan = plan
@@ -737,7 +723,7 @@ class OffloadStepEngine(HFStepEngine):
                     mod._parameters[pname] = slot.tensors[key]
             try:
                 for g in groups:
-                    out = layer(g.hidden, attention_mask=g.mask, position_ids=g.pos, past_key_values=g.view, use_cache=True, position_embeddings=g.pe)
+                    out = layer(g.hidden, attention_mask=g.mask, position_ids=g.pos, use_cache=True, position_embeddings=g.pe, **{self.layer_cache_kw: g.view})
                     g.hidden = out[0] if isinstance(out, tuple) else out
             finally:
                 if slot is not None:

@@ -1,0 +1,166 @@
+"""lmdock-hf's KV state, and the one object transformers sees of it.
+
+KV state lives in a slot cache: per layer, one tensor ``[slots, kv_heads, length, head_dim]``, one
+slot per live sequence, kept compact (a released slot is refilled by the last one), so a decode
+batch of every running sequence is a zero-copy view of the first slots.
+
+For one forward the model gets a :class:`BatchView` as its cache.  It is a subclass of
+``transformers.cache_utils.Cache``, the base class transformers exports for caches of one's own, and
+overrides only the methods of that base class a decoder forward calls: ``update`` (attention writes
+its new keys and values and reads the rows' whole KV back), ``get_seq_length`` and
+``get_mask_sizes``.  Everything else (``is_sliding``, ``offloading``, ...) is the base class's own.
+Arguments past the ones lmdock uses are taken as ``*args, **kwargs`` and ignored where they carry
+nothing for us: transformers 4.56 passes ``cache_kwargs`` positionally, 5.24 passes ``kwargs=``
+(a duck-typed view with a fixed signature broke on that release: issue 26).  The keyword a
+forward takes the cache by is read from its signature (:func:`cache_keyword`).  The step engine
+and the offload engine both use this module; ``plugins/hf/tests/test_cache.py`` calls it the way
+each supported transformers release does.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from lmdock.backend import SlotTable
+from transformers.cache_utils import Cache
+
+
+def cache_keyword(module: torch.nn.Module) -> str:
+    """The keyword ``module.forward`` takes the cache by: ``cache`` from transformers 5.24 on (where
+    ``past_key_values`` is deprecated, to be removed in 5.40), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
+class SlotKVCache(SlotTable):
+    """Per layer, K and V as ``[slots, kv_heads, length, head_dim]``, grown by doubling."""
+
+    #: stored rows are codes that :meth:`encode` / :meth:`decode` translate (the 4-bit cache); the
+    #: plain cache stores the model's tensors as they are and skips both calls
+    packed = False
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, max_len: int) -> None:
+        super().__init__()
+        self.device, self.dtype, self.max_len = device, dtype, max_len
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.cap_slots = 0
+        self.cap_len = 0
+
+    def reserve(self, slots: int, length: int) -> None:
+        """Grow (by doubling) so ``slots`` slots of ``length`` positions fit."""
+        new_slots, new_len = self.cap_slots, self.cap_len
+        while new_slots < slots:
+            new_slots = self._more_slots(new_slots, slots)
+        while new_len < length:
+            new_len = min(self.max_len, max(64, new_len * 2))
+        if (new_slots, new_len) == (self.cap_slots, self.cap_len):
+            return
+        for layer in range(len(self.k)):
+            self.k[layer] = self._grown(self.k[layer], new_slots, new_len)
+            self.v[layer] = self._grown(self.v[layer], new_slots, new_len)
+        self.cap_slots, self.cap_len = new_slots, new_len
+
+    def _more_slots(self, have: int, need: int) -> int:
+        return max(4, have * 2)
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    def _grown(self, t: torch.Tensor, slots: int, length: int) -> torch.Tensor:
+        out = self._zeros((slots, t.shape[1], length, t.shape[3]), t.dtype, t.device)
+        out[: t.shape[0], :, : t.shape[2]] = t
+        return out
+
+    def layer(self, idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        while len(self.k) <= idx:  # allocated at the first write: heads and dims come from the model
+            shape = (self.cap_slots, like.shape[1], self.cap_len, like.shape[3])
+            self.k.append(self._zeros(shape, like.dtype, like.device))
+            self.v.append(self._zeros(shape, like.dtype, like.device))
+        return self.k[idx], self.v[idx]
+
+    def release(self, seq_id: int) -> None:
+        move = super().release(seq_id)
+        if move is not None:  # keep slots compact: the last sequence's KV moves into the hole
+            hole, last = move
+            for k, v in zip(self.k, self.v):
+                k[hole].copy_(k[last])
+                v[hole].copy_(v[last])
+
+    def copy(self, src: int, dst: int, length: int) -> None:
+        s, d = self.slot_of[src], self.slot(dst)
+        self.reserve(len(self), length)
+        for k, v in zip(self.k, self.v):
+            k[d, :, :length] = k[s, :, :length]
+            v[d, :, :length] = v[s, :, :length]
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's ``[..., head_dim]`` keys or values as stored rows (only where ``packed``)."""
+        return x
+
+    def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Stored rows back as the model's tensors (only where ``packed``)."""
+        return rows
+
+
+class BatchView(Cache):
+    """What the model sees as its cache (``past_key_values``) for one forward over some slots.
+
+    Row ``r`` of the forward is slot ``slots[r]``, its new tokens at positions ``starts[r] ..
+    starts[r] + width - 1``; attention reads each row's keys up to ``kv_len`` (the engine's mask
+    hides what a row may not see).
+    """
+
+    # a view lives for one forward over Python-side slot bookkeeping: nothing here can be compiled
+    is_compileable = False
+
+    def __init__(self, cache: SlotKVCache, slots: list[int], starts: list[int], width: int, kv_len: int) -> None:
+        super().__init__(layers=[])  # the layers' state is the slot cache's, not the base class's
+        self.cache = cache
+        self.starts = starts
+        self.width = width
+        self.kv_len = kv_len
+        dev = cache.device
+        self.contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+        self.slots = slots
+        self.slot_t = torch.tensor(slots, device=dev)
+        self.start_t = torch.tensor(starts, device=dev)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the forward's new K/V for ``layer_idx``; return every row's K/V up to ``kv_len``.
+
+        ``*args, **kwargs``: what the calling transformers release adds (``cache_kwargs`` with the
+        cache position, or ``kwargs=``); the slot positions come from ``starts``, so none is needed.
+        """
+        cache = self.cache
+        if not cache.packed:
+            return self._write(key_states, value_states, layer_idx)
+        # FlexLLMGen attends to the token being generated at the cache's precision too, so a position
+        # reads the same whether this forward, an earlier chunk or the prefix cache wrote it
+        k, v = self._write(cache.encode(key_states), cache.encode(value_states), layer_idx)
+        return cache.decode(k, key_states.dtype), cache.decode(v, value_states.dtype)
+
+    def _write(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        K, V = self.cache.layer(layer_idx, key)
+        if self.width == 1:
+            K[self.slot_t, :, self.start_t] = key[:, :, 0]
+            V[self.slot_t, :, self.start_t] = value[:, :, 0]
+        else:  # prefill rows of one width (the offload engine batches them; the step engine runs one at a time)
+            w = self.width
+            for r, (s, a) in enumerate(zip(self.slots, self.starts)):
+                K[s, :, a : a + w] = key[r]
+                V[s, :, a : a + w] = value[r]
+        if self.contiguous:
+            lo, hi = self.slots[0], self.slots[0] + len(self.slots)
+            return K[lo:hi, :, : self.kv_len], V[lo:hi, :, : self.kv_len]
+        return K[self.slot_t, :, : self.kv_len], V[self.slot_t, :, : self.kv_len]
+
+    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        """Positions already cached before this forward (of the longest row)."""
+        return self.kv_len - self.width
+
+    def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` for transformers' mask builders: every row reads ``kv_len`` keys
+        from position 0.  (4.56 passes the cache positions, 5.x the query length; neither changes it.)"""
+        return self.kv_len, 0
