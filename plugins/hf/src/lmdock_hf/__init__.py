@@ -46,6 +46,8 @@ SPEC = BackendSpec(
     # |prompt logprob - transformers float32| on the conformance reference; measured 0.0038, 0.0023, 0.118
     tolerances={"int8_weight_only": 0.02, "int8_dynamic": 0.02, "int4_weight_only": 0.5},
     requires=("torch", "transformers"),
+    # the engines whose internals lmdock-hf relies on (docs/authoring-backends.md); torchao only with [quant]
+    engine_packages=("transformers", "torch", "torchao"),
     package="lmdock-hf",
     version=__version__,
     available=_available,

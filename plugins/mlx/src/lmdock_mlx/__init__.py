@@ -38,6 +38,7 @@ SPEC = BackendSpec(
         "offload": "MLX keeps weights in unified memory",
     },
     requires=("mlx", "mlx_lm"),
+    engine_packages=("mlx", "mlx-lm"),  # mlx-lm's caches and model calls (docs/authoring-backends.md)
     package="lmdock-mlx",
     version=__version__,
     available=_available,

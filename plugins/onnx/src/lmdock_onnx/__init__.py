@@ -81,6 +81,9 @@ SPEC = BackendSpec(
         "offload": "ONNX Runtime holds the whole graph in one session; no OffloadPolicy",
     },
     requires=("onnxruntime", "numpy"),
+    # onnxruntime runs the graph (a GPU build instead where installed); transformers loads tokenizers and,
+    # with torch and onnx from [export], traces the export (docs/authoring-backends.md)
+    engine_packages=("onnxruntime", "onnxruntime-gpu", "transformers", "torch", "onnx"),
     package="lmdock-onnx",
     version=__version__,
     available=_available,

@@ -62,6 +62,7 @@ SPEC = BackendSpec(
         "offload": "use kv_cache.cpu_space_gib for host KV offload; weights stay on the GPUs",
     },
     requires=("tensorrt_llm",),
+    engine_packages=("tensorrt-llm",),
     package="lmdock-trtllm",
     version=__version__,
     available=_available,

@@ -91,6 +91,7 @@ SPEC = BackendSpec(
         "offload": "no portable mapping: pass backends.vllm.engine_args = {cpu_offload_gb = N} for vLLM's weight offload to RAM",
     },
     requires=("vllm",),
+    engine_packages=tuple(BUILDS),  # whichever build is installed, each with its own tested range
     package="lmdock-vllm",
     version=__version__,
     available=_available,
