@@ -55,7 +55,7 @@ def test_compress_weight_streams_fewer_bytes_and_still_generates(stories: str, c
     plain = [f for f in cache_dir.glob("hf-offload/*/manifest.json") if f.parent != layout.folder]
     assert all(len(o.outputs[0].token_ids) == 24 for o in out)
     if plain:  # a full-precision layout of the same model from an earlier test: 4-bit is much smaller
-        from lmdock_hf._offload import Layout
+        from lmdock_hf._offload_layout import Layout
 
         def payload(lay: Layout) -> int:  # bytes of values and group scales, without the 4 KiB alignment
             return sum(e.nbytes + (e.numel() // lay.group * 4 if e.compressed else 0) for e in lay.entries)
@@ -150,7 +150,7 @@ def test_compress_cache_gives_transformers_logprobs_with_the_same_4bit_kv(storie
 
 def test_compress_cache_holds_a_quarter_of_the_kv_bytes(stories: str) -> None:
     import torch
-    from lmdock_hf._offload import kv_bytes_per_token
+    from lmdock_hf._offload_kv import kv_bytes_per_token
 
     with LLM(stories, backend="hf") as llm:  # the in-memory engine's float32 slot cache
         llm.generate(PROMPTS, GREEDY)
@@ -170,7 +170,7 @@ def test_compress_cache_holds_a_quarter_of_the_kv_bytes(stories: str) -> None:
 def test_compress_cache_pack_round_trip_and_groups() -> None:
     import torch
     from lmdock import UnsupportedError
-    from lmdock_hf._offload import CompressedSlotKVCache, kv_group
+    from lmdock_hf._offload_kv import CompressedSlotKVCache, kv_group
 
     assert [kv_group(hd, 64) for hd in (8, 64, 128, 96, 80)] == [8, 64, 64, 48, 40]
     with pytest.raises(UnsupportedError, match="even head_dim"):
@@ -222,7 +222,7 @@ def test_compress_cache_batched_decode_with_releases_matches_each_sequence_alone
         from lmdock_hf import _offload
 
         monkeypatch.setattr(_offload, "_dtype", lambda name, device: torch.float64)
-        monkeypatch.setitem(_offload._TORCH_DTYPES, "float64", torch.float64)
+        monkeypatch.setitem(_offload.TORCH_DTYPES, "float64", torch.float64)
     prompts = PROMPTS + ["Tom had a big red ball. He liked to", "Mom said"]
     params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True, logprobs=0) for n in (24, 4, 20, 9, 16, 2)]
     with LLM(stories, backend="hf", offload={"compress_cache": True}, kv_cache={"enable_prefix_caching": False}) as llm:
@@ -307,7 +307,7 @@ def test_kv_cache_grows_by_an_eighth_into_mappings_of_its_own() -> None:
     sequences take 72 slots, not doubling's 128), and on the CPU each K/V tensor is a mapping of its
     own, freed with it, not malloc'ed heap that a growth leaves behind."""
     import torch
-    from lmdock_hf._offload import HostSlotKVCache
+    from lmdock_hf._offload_kv import HostSlotKVCache
 
     cache = HostSlotKVCache(torch.device("cpu"), torch.float32, 40)
     sizes = []
