@@ -23,6 +23,7 @@ from lmdock._contract import (
     StepEngine,
     StepOutput,
 )
+from lmdock._declare import Backend, has_nvidia_gpu
 from lmdock._errors import BackendError, EngineClosedError, RequestError, UnsupportedError
 from lmdock._files import read_model_json
 from lmdock._hooks import hookimpl
@@ -69,6 +70,7 @@ def build_options(cls: type, data: dict[str, Any], *, source: str | None = None,
 
 
 __all__ = [
+    "Backend",
     "BackendError",
     "BackendSpec",
     "BeamSearch",
@@ -99,6 +101,7 @@ __all__ = [
     "Tokenizer",
     "UnsupportedError",
     "build_options",
+    "has_nvidia_gpu",
     "hookimpl",
     "pool_hidden",
     "read_model_json",

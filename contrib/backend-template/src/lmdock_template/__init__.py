@@ -6,6 +6,7 @@ import importlib.util
 from typing import Any
 
 import lmdock
+from lmdock.backend import Backend
 
 __version__ = "0.1.0"
 
@@ -41,15 +42,11 @@ SPEC = lmdock.backend.BackendSpec(
 )
 
 
-@lmdock.hookimpl
-def lmdock_register_backends(register: Any) -> None:
-    register(SPEC)
-
-
-@lmdock.hookimpl
-def lmdock_load_engine(backend: str, model_config: lmdock.ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> Any:
-    if backend != "template":
-        return None
+def _load(model_config: lmdock.ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> Any:
     from lmdock_template._engine import NumpyLlama
 
     return NumpyLlama.load(model_config)
+
+
+#: what the entry point names: the spec and the functions above (lmdock.backend.Backend)
+plugin = Backend(SPEC, load=_load)

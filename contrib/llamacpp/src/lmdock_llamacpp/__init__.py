@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import lmdock
 from lmdock import ModelConfig
-from lmdock.backend import BackendSpec
+from lmdock.backend import Backend, BackendSpec
 
 __version__ = "0.1.0"
 
@@ -113,15 +113,7 @@ SPEC = BackendSpec(
 )
 
 
-@lmdock.hookimpl
-def lmdock_register_backends(register: Any) -> None:
-    register(SPEC)
-
-
-@lmdock.hookimpl
-def lmdock_translate_quantization(backend: str, quant: lmdock.QuantConfig, model_config: ModelConfig) -> Any:
-    if backend != "llamacpp":
-        return None
+def _quantize(quant: lmdock.QuantConfig, model_config: ModelConfig) -> Any:
     if not quant.checkpoint_prequantized:
         raise lmdock.UnsupportedError(
             f"quantization {quant.algo!r}: lmdock-llamacpp runs a GGUF file as it is and does not re-quantize it. "
@@ -131,14 +123,8 @@ def lmdock_translate_quantization(backend: str, quant: lmdock.QuantConfig, model
     return {"algo": quant.algo, "prequantized": True}
 
 
-@lmdock.hookimpl
-def lmdock_translate_build_config(backend: str, model_config: ModelConfig) -> dict[str, Any] | None:
-    if backend != "llamacpp":
-        return None
+def _build(model_config: ModelConfig) -> dict[str, Any] | None:
     b, kv = model_config.build, model_config.kv_cache
-    if b.tensor_parallel_size > 1 or b.pipeline_parallel_size > 1:
-        raise lmdock.UnsupportedError("lmdock-llamacpp runs one llama.cpp context; tensor/pipeline parallelism needs "
-                                      "lmdock-vllm or lmdock-trtllm (llama.cpp splits layers across GPUs by itself)")
     if b.dtype not in ("auto", "float32"):
         raise lmdock.UnsupportedError(f"build.dtype {b.dtype!r}: llama.cpp computes in the GGUF file's own types; "
                                       "remove build.dtype, or convert the file (convert_hf_to_gguf.py --outtype f16)")
@@ -156,13 +142,11 @@ def lmdock_translate_build_config(backend: str, model_config: ModelConfig) -> di
     }
 
 
-@lmdock.hookimpl
-def lmdock_load_engine(backend: str, model_config: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> Any:
-    if backend != "llamacpp":
-        return None
-    if model_config.offload.enabled:
-        raise lmdock.UnsupportedError("lmdock-llamacpp does not take an OffloadPolicy; remove [offload] (llama.cpp maps "
-                                      "the file with use_mmap, and n_gpu_layers places layers on a GPU)")
+def _load(model_config: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> Any:
     from lmdock_llamacpp._engine import load
 
     return load(model_config, options, quantization, build)
+
+
+#: what the entry point names: the spec and the functions above (lmdock.backend.Backend)
+plugin = Backend(SPEC, load=_load, build=_build, quantize=_quantize)

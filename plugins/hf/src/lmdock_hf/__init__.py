@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import lmdock
 from lmdock import ModelConfig
-from lmdock.backend import BackendSpec
+from lmdock.backend import Backend, BackendSpec
 
 __version__ = "0.1.0"
 
@@ -57,18 +57,8 @@ SPEC = BackendSpec(
 )
 
 
-@lmdock.hookimpl
-def lmdock_register_backends(register: Any) -> None:
-    register(SPEC)
-
-
-@lmdock.hookimpl
-def lmdock_translate_build_config(backend: str, model_config: ModelConfig) -> dict[str, Any] | None:
-    if backend != "hf":
-        return None
+def _build(model_config: ModelConfig) -> dict[str, Any] | None:
     b = model_config.build
-    if b.tensor_parallel_size > 1 or b.pipeline_parallel_size > 1:
-        raise lmdock.UnsupportedError("lmdock-hf runs on one device; tensor/pipeline parallelism needs lmdock-vllm or lmdock-trtllm")
     return {
         "dtype": b.dtype,
         "device": b.device,
@@ -78,10 +68,7 @@ def lmdock_translate_build_config(backend: str, model_config: ModelConfig) -> di
     }
 
 
-@lmdock.hookimpl
-def lmdock_translate_quantization(backend: str, quant: lmdock.QuantConfig, model_config: ModelConfig) -> Any:
-    if backend != "hf":
-        return None
+def _quantize(quant: lmdock.QuantConfig, model_config: ModelConfig) -> Any:
     if model_config.offload.enabled:
         raise lmdock.UnsupportedError(
             f"quantization {quant.algo!r} with [offload]: lmdock-hf streams the offloaded layers as they are on disk; "
@@ -92,10 +79,7 @@ def lmdock_translate_quantization(backend: str, quant: lmdock.QuantConfig, model
     return plan(quant, model_config.model)
 
 
-@lmdock.hookimpl
-def lmdock_load_engine(backend: str, model_config: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> Any:
-    if backend != "hf":
-        return None
+def _load(model_config: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> Any:
     if model_config.offload.enabled:  # FlexLLMGen's schedule: layers streamed from disk (docs/backends/hf.md)
         from lmdock_hf._offload import OffloadStepEngine
 
@@ -110,3 +94,7 @@ def lmdock_load_engine(backend: str, model_config: ModelConfig, options: Any, qu
     from lmdock_hf._engine import HFStepEngine
 
     return HFStepEngine.load(model_config, options, build, quantization)
+
+
+#: what the entry point names: the spec and the functions above (lmdock.backend.Backend)
+plugin = Backend(SPEC, load=_load, build=_build, quantize=_quantize)

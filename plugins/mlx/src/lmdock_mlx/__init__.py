@@ -8,7 +8,7 @@ from typing import Any
 
 import lmdock
 from lmdock import ModelConfig
-from lmdock.backend import BackendSpec
+from lmdock.backend import Backend, BackendSpec
 
 __version__ = "0.1.0"
 
@@ -49,15 +49,7 @@ SPEC = BackendSpec(
 )
 
 
-@lmdock.hookimpl
-def lmdock_register_backends(register: Any) -> None:
-    register(SPEC)
-
-
-@lmdock.hookimpl
-def lmdock_translate_quantization(backend: str, quant: lmdock.QuantConfig, model_config: ModelConfig) -> Any:
-    if backend != "mlx":
-        return None
+def _quantize(quant: lmdock.QuantConfig, model_config: ModelConfig) -> Any:
     if quant.checkpoint_prequantized:
         return {"prequantized": True}
     if quant.algo not in QUANT_BITS:
@@ -68,24 +60,18 @@ def lmdock_translate_quantization(backend: str, quant: lmdock.QuantConfig, model
     return {"bits": QUANT_BITS[quant.algo], "group_size": quant.group_size or 64}
 
 
-@lmdock.hookimpl
-def lmdock_translate_build_config(backend: str, model_config: ModelConfig) -> dict[str, Any] | None:
-    if backend != "mlx":
-        return None
+def _build(model_config: ModelConfig) -> dict[str, Any] | None:
     b = model_config.build
-    if b.tensor_parallel_size > 1 or b.pipeline_parallel_size > 1:
-        raise lmdock.UnsupportedError("lmdock-mlx runs on one device; tensor/pipeline parallelism needs lmdock-vllm or lmdock-trtllm")
     if b.device not in ("auto", "cpu", "gpu", "metal"):
         raise lmdock.UnsupportedError(f"build.device {b.device!r}: MLX runs on 'cpu' or 'gpu' (Metal)")
     return {"dtype": b.dtype, "device": b.device, "max_seq_len": b.max_seq_len, "kv_max_tokens": model_config.kv_cache.max_tokens}
 
 
-@lmdock.hookimpl
-def lmdock_load_engine(backend: str, model_config: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> Any:
-    if backend != "mlx":
-        return None
-    if model_config.offload.enabled:
-        raise lmdock.UnsupportedError("lmdock-mlx does not offload weights; remove [offload]")
+def _load(model_config: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> Any:
     from lmdock_mlx._engine import MlxStepEngine
 
     return MlxStepEngine.load(model_config, options, quantization, build)
+
+
+#: what the entry point names: the spec and the functions above (lmdock.backend.Backend)
+plugin = Backend(SPEC, load=_load, build=_build, quantize=_quantize)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import lmdock
 from lmdock import ModelConfig
-from lmdock.backend import BackendSpec
+from lmdock.backend import Backend, BackendSpec
 
 __version__ = "0.1.0"
 
@@ -96,15 +96,7 @@ SPEC = BackendSpec(
 )
 
 
-@lmdock.hookimpl
-def lmdock_register_backends(register: Any) -> None:
-    register(SPEC)
-
-
-@lmdock.hookimpl
-def lmdock_translate_quantization(backend: str, quant: lmdock.QuantConfig, model_config: ModelConfig) -> Any:
-    if backend != "onnx":
-        return None
+def _quantize(quant: lmdock.QuantConfig, model_config: ModelConfig) -> Any:
     if quant.checkpoint_prequantized:
         return {"prequantized": True}
     if quant.algo not in QUANT_ALGOS:
@@ -119,14 +111,8 @@ def lmdock_translate_quantization(backend: str, quant: lmdock.QuantConfig, model
     return {"algo": quant.algo, "group_size": quant.group_size}
 
 
-@lmdock.hookimpl
-def lmdock_translate_build_config(backend: str, model_config: ModelConfig) -> dict[str, Any] | None:
-    if backend != "onnx":
-        return None
+def _build(model_config: ModelConfig) -> dict[str, Any] | None:
     b = model_config.build
-    if b.tensor_parallel_size > 1 or b.pipeline_parallel_size > 1:
-        raise lmdock.UnsupportedError("lmdock-onnx runs one session on one device; tensor/pipeline parallelism "
-                                      "needs lmdock-vllm or lmdock-trtllm")
     if model_config.kv_cache.dtype not in ("auto", b.dtype):
         raise lmdock.UnsupportedError(f"kv_cache.dtype {model_config.kv_cache.dtype!r}: lmdock-onnx keeps KV in the "
                                       "model's dtype; remove kv_cache.dtype or set build.dtype")
@@ -139,12 +125,7 @@ def lmdock_translate_build_config(backend: str, model_config: ModelConfig) -> di
     return {"dtype": dtype, "device": b.device, "max_seq_len": b.max_seq_len, "kv_max_tokens": model_config.kv_cache.max_tokens}
 
 
-@lmdock.hookimpl
-def lmdock_load_engine(backend: str, model_config: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> Any:
-    if backend != "onnx":
-        return None
-    if model_config.offload.enabled:
-        raise lmdock.UnsupportedError("lmdock-onnx does not offload weights; remove [offload]")
+def _load(model_config: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> Any:
     from lmdock.backend import read_pooling_config
 
     pooling = read_pooling_config(model_config.model)
@@ -157,3 +138,7 @@ def lmdock_load_engine(backend: str, model_config: ModelConfig, options: Any, qu
     from lmdock_onnx._load import load
 
     return load(model_config, options, quantization, build)
+
+
+#: what the entry point names: the spec and the functions above (lmdock.backend.Backend)
+plugin = Backend(SPEC, load=_load, build=_build, quantize=_quantize)

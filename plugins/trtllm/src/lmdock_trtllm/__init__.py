@@ -8,14 +8,12 @@ engine only when a model loads.
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import lmdock
 from lmdock import ModelConfig
-from lmdock.backend import BackendSpec
+from lmdock.backend import Backend, BackendSpec, has_nvidia_gpu
 
 __version__ = "0.1.0"
 
@@ -34,17 +32,13 @@ class TrtllmOptions:
     llm_args: dict[str, Any] = field(default_factory=dict)
 
 
-def _has_nvidia_gpu() -> bool:
-    return os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi") is not None
-
-
 def _available() -> str | None:
     if importlib.util.find_spec("tensorrt_llm") is None:
         return (
             "tensorrt_llm is not installed; it runs on Linux with an NVIDIA GPU: "
             'pip install "lmdock-trtllm[gpu]" there (PyPI has only placeholders elsewhere)'
         )
-    if not _has_nvidia_gpu():
+    if not has_nvidia_gpu():
         return "no NVIDIA GPU found (no /dev/nvidiactl, no nvidia-smi); TensorRT-LLM needs one"
     return None
 
@@ -69,25 +63,17 @@ SPEC = BackendSpec(
     options=TrtllmOptions,
     tolerances={"logprobs": 2e-2},  # half-precision GPU kernels
     needs_hardware="an NVIDIA GPU",
-    has_hardware=_has_nvidia_gpu,
+    has_hardware=has_nvidia_gpu,
     priority=60,
     description="NVIDIA TensorRT-LLM (LLM API), GPUs only",
 )
-
-
-@lmdock.hookimpl
-def lmdock_register_backends(register: Any) -> None:
-    register(SPEC)
 
 
 def _options(mc: ModelConfig) -> TrtllmOptions:
     return lmdock.backend.build_options(TrtllmOptions, mc.backend_options("trtllm"), source=mc.source, prefix=f"models.{mc.name}.backends.trtllm")
 
 
-@lmdock.hookimpl
-def lmdock_translate_quantization(backend: str, quant: lmdock.QuantConfig, model_config: ModelConfig) -> Any:
-    if backend != "trtllm":
-        return None
+def _quantize(quant: lmdock.QuantConfig, model_config: ModelConfig) -> Any:
     from lmdock_trtllm._api import detect_api
     from lmdock_trtllm._translate import quant_config
 
@@ -95,10 +81,7 @@ def lmdock_translate_quantization(backend: str, quant: lmdock.QuantConfig, model
     return quant_config(quant, model_config.kv_cache.dtype, api) or "checkpoint"
 
 
-@lmdock.hookimpl
-def lmdock_translate_build_config(backend: str, model_config: ModelConfig) -> dict[str, Any] | None:
-    if backend != "trtllm":
-        return None
+def _build(model_config: ModelConfig) -> dict[str, Any] | None:
     from lmdock_trtllm._api import detect_api
     from lmdock_trtllm._translate import llm_kwargs
 
@@ -109,10 +92,11 @@ def lmdock_translate_build_config(backend: str, model_config: ModelConfig) -> di
     return {"api": api, "llm_kwargs": kwargs}
 
 
-@lmdock.hookimpl
-def lmdock_load_engine(backend: str, model_config: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> Any:
-    if backend != "trtllm":
-        return None
+def _load(model_config: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> Any:
     from lmdock_trtllm._engine import TrtllmEngine
 
     return TrtllmEngine.load(model_config, build["api"], build["llm_kwargs"])
+
+
+#: what the entry point names: the spec and the functions above (lmdock.backend.Backend)
+plugin = Backend(SPEC, load=_load, build=_build, quantize=_quantize, parallel=True)

