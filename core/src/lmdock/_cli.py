@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lmdock._cli_parser import Parser
 from lmdock._errors import LmdockError
 
 
@@ -75,8 +76,8 @@ def _quiet_engines() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lmdock", description="Run LLMs on any inference engine.")
+def _parser() -> Parser:
+    p = Parser(prog="lmdock", description="Run LLMs on any inference engine.")
     p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(metavar="COMMAND")
 
@@ -146,17 +147,19 @@ def _parser() -> argparse.ArgumentParser:
     sc = csub.add_parser("schema", help="print the config file's JSON Schema (for editors)")
     sc.set_defaults(func=cmd_config_schema)
     cfg.set_defaults(func=lambda a: cfg.print_help() or 2)
+    p.commands = sub.choices
     return p
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
+def _model_args(p: Parser) -> None:
     p.add_argument("-m", "--model", help="model name in the config file, a local path or a hub id (default: the config's default model)")
     p.add_argument("--config", help="config file (default: $LMDOCK_CONFIG, ./lmdock.toml, ~/.config/lmdock/lmdock.toml)")
     p.add_argument("--backend", help="backend name or 'auto' (overrides the config file)")
 
 
-def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int)
+def _sampling_args(p: Parser) -> None:
+    p.add_argument("--max-new-tokens", "--max-tokens", type=int, dest="max_new_tokens",
+                   help="tokens to generate at most (--max-tokens: OpenAI's and vLLM's name for it)")
     p.add_argument("--min-new-tokens", type=int)
     p.add_argument("--temperature", type=float)
     p.add_argument("--top-k", type=int)

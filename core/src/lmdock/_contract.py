@@ -47,6 +47,19 @@ CAPABILITIES: Mapping[str, str] = {
 }
 
 
+#: Model formats a backend declares it loads (``BackendSpec.model_formats``), and the first-party
+#: plugin that loads each (for the error that says what to install).
+MODEL_FORMATS: Mapping[str, tuple[str, str]] = {
+    "hf": ("a transformers checkpoint (a folder with config.json, or a hub id)", "lmdock-hf"),
+    "gguf": ("a GGUF file", "lmdock-llamacpp"),
+}
+
+
+def model_format(model: str) -> str:
+    """The :data:`MODEL_FORMATS` name of a model path or hub id, told from the name alone."""
+    return "gguf" if model.lower().endswith(".gguf") else "hf"
+
+
 @dataclass(frozen=True)
 class BackendSpec:
     """A backend as a plugin declares it through ``lmdock_register_backends``.
@@ -75,6 +88,10 @@ class BackendSpec:
     #: plugin's distribution requires of it (``package``'s ``Requires-Dist``, extras included: the
     #: range CI tests) and warns, without refusing, when it is outside; so does loading a model.
     engine_packages: tuple[str, ...] = ()
+    #: What the backend loads, by :data:`MODEL_FORMATS` name: ``backend = "auto"`` tries only the
+    #: backends that load the model's format, and a backend named for a model it cannot read is
+    #: refused before loading, saying which one can.
+    model_formats: frozenset[str] = frozenset({"hf"})
     options: type | None = None
     #: Largest absolute logprob error the backend promises against the float32 reference, by key:
     #: "logprobs" (unquantized; the conformance suite's default is 1e-4) and each QuantConfig algo

@@ -107,16 +107,36 @@ def load_engine(mc: ModelConfig) -> tuple[RequestEngine, BackendSpec]:
 
 
 def _candidates(mc: ModelConfig, registry: Any) -> list[str]:
+    """The backends to try in order: the named one and its fallbacks, ``auto`` expanded to the
+    available backends that load the model's format, by priority."""
+    from lmdock._contract import model_format
+
+    fmt = model_format(mc.model)
     names: list[str] = []
     for name in (mc.backend, *mc.fallback):
         if name == "auto":
             ranked = sorted(registry.backends.values(), key=lambda s: -s.priority)
-            names += [s.name for s in ranked if s.available() is None and s.name not in names]
             if not ranked:
                 raise BackendError("backend 'auto': no backend is installed; pip install lmdock-hf (or lmdock-onnx, lmdock-mlx, lmdock-vllm)")
+            names += [s.name for s in ranked if fmt in s.model_formats and s.available() is None and s.name not in names]
         elif name not in names:
             names.append(name)
+    _check_format(mc, fmt, names, registry)
     return names
+
+
+def _check_format(mc: ModelConfig, fmt: str, names: list[str], registry: Any) -> None:
+    """Refuse, before any loading, a model whose format none of the candidates reads."""
+    from lmdock._contract import MODEL_FORMATS
+
+    specs = [registry.backends[n] for n in names if n in registry.backends]
+    if any(fmt in s.model_formats for s in specs) or len(specs) < len(names):
+        return  # one can read it, or one is not installed (loading it says what to pip install)
+    what, package = MODEL_FORMATS[fmt]
+    readers = sorted(s.name for s in registry.backends.values() if fmt in s.model_formats)
+    tried = f"backend {', '.join(repr(n) for n in names)} does not" if names else "no installed backend can"
+    fix = f"use backend = {readers[0]!r}" if readers else f"pip install {package}"
+    raise BackendError(f"{mc.model!r} is {what}; {tried} load that: {fix}")
 
 
 def _load_one(spec: BackendSpec, mc: ModelConfig, registry: Any) -> RequestEngine | None:

@@ -108,6 +108,7 @@ SPEC = BackendSpec(
     # measured on stories260K.gguf (float32, f32 KV, no flash attention) against the transformers
     # float32 reference: 9.6e-6 at most over the conformance positions (docs/backends/llamacpp.md)
     tolerances={"logprobs": 1e-4},
+    model_formats=frozenset({"gguf"}),
     priority=20,
     description="GGUF files through llama.cpp (quantized or not)",
 )

@@ -1,0 +1,90 @@
+"""The CLI says what to type instead (issue 29): did-you-mean on flags, other tools' flags named with
+lmdock's equivalent, ``--max-tokens`` taken as OpenAI's name; a GGUF file goes to a backend that reads
+GGUF, or the error says which plugin to install.  FAKE backends (core plumbing only)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fakes import FakeStepEngine
+from lmdock import LLM, BackendError, _plugins
+from lmdock._cli import main
+from lmdock.backend import Backend, BackendSpec
+
+
+def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["generate", "--max-tokns", "4", "x"], "--max-tokns: did you mean --max-tokens?"),
+        (["generate", "--temprature", "1", "x"], "--temprature: did you mean --temperature?"),
+        (["chat", "--sytem", "s", "x"], "--sytem: did you mean --system?"),
+        (["serve", "--chat-tmplate", "f"], "--chat-tmplate: did you mean --chat-template?"),
+        (["generate", "--max-model-len", "9", "x"], "--max-model-len: lmdock's is [models.NAME.build] max_seq_len in the config file"),
+        (["generate", "--gpu-memory-utilization", "0.9", "x"], "lmdock's is [models.NAME.kv_cache] memory_fraction"),
+        (["serve", "--served-model-name", "x"], "--served-model-name: lmdock's is the model's name in the config file"),
+        (["embed", "--temp", "0.5", "x"], "--temp: lmdock's is --temperature"),
+    ],
+)
+def test_an_unknown_flag_names_the_right_one(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    line = _error(argv, capsys)
+    assert line.startswith("lmdock: error: unrecognized arguments") and says in line, line
+
+
+def test_a_flag_nothing_resembles_gets_no_guess(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _error(["generate", "--zzzz", "x"], capsys) == "lmdock: error: unrecognized arguments: --zzzz"
+
+
+def test_max_tokens_is_max_new_tokens(fake: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "-m", "m", "--backend", "fake", "--temperature", "0", "--json", "ab"]
+    assert main([*argv, "--max-tokens", "3"]) == 0
+    short = json.loads(capsys.readouterr().out)[0]["outputs"][0]["token_ids"]
+    assert main([*argv, "--max-new-tokens", "3"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["outputs"][0]["token_ids"] == short and len(short) == 3
+
+
+def _register(name: str, formats: set[str], priority: int, loaded: list[str]) -> None:
+    def load(mc: Any, *_: Any) -> Any:
+        loaded.append(name)
+        return FakeStepEngine()
+
+    spec = BackendSpec(name=name, kind="step", plugin_api="1.0", supports=frozenset({"generate"}),
+                       model_formats=frozenset(formats), priority=priority, description="FAKE test backend")
+    _plugins.get_registry().add_plugin(Backend(spec, load=load), name)
+
+
+def test_auto_picks_a_backend_that_reads_the_models_format(isolated: Path) -> None:
+    loaded: list[str] = []
+    _register("tensors", {"hf"}, priority=50, loaded=loaded)
+    _register("ggufer", {"gguf"}, priority=1, loaded=loaded)
+    LLM("weights/model.Q8_0.gguf", backend="auto").shutdown()
+    LLM("org/some-model", backend="auto").shutdown()
+    assert loaded == ["ggufer", "tensors"]
+
+
+def test_a_gguf_file_without_a_gguf_backend_says_what_to_install(isolated: Path) -> None:
+    _register("tensors", {"hf"}, priority=50, loaded=[])
+    with pytest.raises(BackendError, match=r"is a GGUF file; no installed backend can load that: pip install lmdock-llamacpp"):
+        LLM("model.gguf", backend="auto")
+    with pytest.raises(BackendError, match=r"backend 'tensors' does not load that: pip install lmdock-llamacpp"):
+        LLM("model.gguf", backend="tensors")
+
+
+def test_a_backend_named_for_the_wrong_format_points_at_the_one_that_reads_it(isolated: Path) -> None:
+    loaded: list[str] = []
+    _register("tensors", {"hf"}, priority=50, loaded=loaded)
+    _register("ggufer", {"gguf"}, priority=1, loaded=loaded)
+    with pytest.raises(BackendError, match=r"backend 'tensors' does not load that: use backend = 'ggufer'"):
+        LLM("model.gguf", backend="tensors")
+    with pytest.raises(BackendError, match=r"is a transformers checkpoint.*backend 'ggufer' does not load that: use backend = 'tensors'"):
+        LLM("org/model", backend="ggufer")
+    assert loaded == []
