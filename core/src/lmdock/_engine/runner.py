@@ -185,7 +185,7 @@ class StepRunner:
         }
 
     def _cache_held(self) -> int:
-        n = len(self.queries.cache._kv)
+        n = len(self.queries.cache)
         return n + (len(self.prompt_cache) if self.prompt_cache is not None else 0)
 
     def _post(self, kind: str, item: Any) -> None:
