@@ -52,3 +52,18 @@ def test_the_authoring_guides_example_spec_passes_the_capability_check() -> None
     for cap in CAPABILITIES:
         ok, reason = spec.capability(cap)
         assert ok or (cap in spec.lacks and reason.strip()), f"the guide's example leaves {cap!r} undeclared"
+
+
+def test_every_engine_module_is_in_the_engine_guide() -> None:
+    """docs/engine.md's table of files names every module of lmdock/_engine/, each with its concern,
+    and no module that is gone."""
+    import re
+
+    engine = ROOT / "core" / "src" / "lmdock" / "_engine"
+    modules = {p.name for p in engine.glob("*.py") if p.name != "__init__.py"}
+    assert len(modules) >= 10
+    rows = dict(re.findall(r"^\| `(\w+\.py)` \| (.*\S) \|$", (ROOT / "docs" / "engine.md").read_text(), re.M))
+    missing = sorted(modules - set(rows))
+    assert not missing, f"docs/engine.md: add a row for each module of lmdock/_engine/ and its concern: {missing}"
+    stale = sorted(set(rows) - modules)
+    assert not stale, f"docs/engine.md names modules that lmdock/_engine/ no longer has: {stale}"

@@ -7,6 +7,9 @@ constrained distribution, as vLLM reports them); after the token is appended it 
 and a constraint that is complete (its grammar can take no more tokens) ends the sequence with
 ``finish_reason="stop"``.
 
+:func:`mask_rows` is what the loop calls: one batched mask, and when a constraint raises, row by row,
+so that constraint's request fails alone.
+
 ``make_constraints(params, tokenizer, vocab_size, n)`` returns ``n`` constraints for a request, or None
 when the request has no ``structured_output``; it raises :class:`lmdock.RequestError` for a grammar or
 schema that cannot be compiled (that request fails alone, at submit).  The implementation on llguidance
@@ -15,10 +18,15 @@ lives in ``lmdock._engine.structured``; this module only states the contract.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+from lmdock._engine.failures import Failure, as_request_error
+
+if TYPE_CHECKING:
+    from lmdock._engine.sequence import Seq
 
 
 class Constraint(Protocol):
@@ -58,3 +66,25 @@ def apply_masks(logits: np.ndarray, constraints: Sequence[Any], fill: Any = None
     sub[~mask] = -np.inf
     out[rows] = sub
     return out
+
+
+def mask_rows(logits: np.ndarray, seqs: Sequence[Seq], fill: Callable[..., None] | None = None) -> tuple[np.ndarray, list[Failure]]:
+    """Mask the logits of the constrained sequences (``fill``: a batched mask filler,
+    ``ConstraintBatch.fill``).  If that raises, find the failing constraints row by row: their
+    sequences come back as failures, and their rows are left unmasked."""
+    try:
+        return apply_masks(logits, [s.constraint for s in seqs], fill), []
+    except Exception:  # one constraint's failure: find it row by row
+        pass
+    failures: list[Failure] = []
+    cons: list[Any] = []
+    for seq in seqs:
+        c = seq.constraint
+        if c is not None:
+            try:
+                apply_masks(logits[:1], [c])
+            except Exception as exc:
+                failures.append((seq, as_request_error(exc, "structured output")))
+                c = None
+        cons.append(c)
+    return apply_masks(logits, cons), failures

@@ -4,15 +4,19 @@ cumulative ``RequestOutput`` snapshots a sink receives."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from lmdock._contract import SeqChunk
+from lmdock._engine.failures import Failure, as_request_error
 from lmdock._engine.sampler import Sample, log_softmax
 from lmdock._engine.sequence import Req, Seq
 from lmdock._outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+
+if TYPE_CHECKING:
+    from lmdock._engine.kv import KV
 
 
 class OutputProcessor:
@@ -20,6 +24,45 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_seq_len = max_seq_len
+
+    # -- one step's tokens ------------------------------------------------------------------------------
+
+    def process(
+        self, seqs: list[Seq], samples: Sequence[Sample | None], kv: KV, texts: list[tuple[Seq, int, bool]] | None
+    ) -> tuple[Collection[Req], list[Failure]]:
+        """Append each sample, tell its constraint, check stops; release finished sequences at once.
+        With ``texts`` (the overlap), the text of requests without stop strings is not pushed here:
+        ``(seq, token, stopped by a token)`` goes to ``texts`` instead.  Returns the requests to
+        report and the failures (a failing sequence's siblings are skipped)."""
+        touched: dict[int, Req] = {}
+        failures: list[Failure] = []
+        failed: set[int] | None = None  # requests failed this step: their other completions are skipped
+        append, append_token = self.append, self.append_token
+        for seq, sample in zip(seqs, samples):
+            req = seq.req
+            if sample is None or req.done or seq.finish_reason is not None or (failed is not None and id(req) in failed):  # type: ignore[union-attr]
+                continue
+            try:
+                if seq.constraint is not None:
+                    seq.constraint.accept(sample.token)
+                if texts is not None and not seq.stops.stops:
+                    by_token = append_token(seq, sample)
+                    if seq.detok is not None:
+                        texts.append((seq, sample.token, by_token))
+                else:
+                    append(seq, sample)
+                if seq.finish_reason is None and seq.constraint is not None and seq.constraint.is_complete():
+                    seq.finish_reason = "stop"  # the grammar can take no more tokens
+            except Exception as exc:
+                failed = (failed or set()) | {id(req)}
+                failures.append((seq, as_request_error(exc, "structured output" if seq.constraint is not None else "detokenizing and checking stops")))
+                continue
+            if seq.finish_reason is not None:
+                kv.release(seq)
+                touched[id(req)] = req  # type: ignore[assignment]
+            elif req.request.stream:  # type: ignore[union-attr]
+                touched[id(req)] = req  # type: ignore[assignment]
+        return touched.values(), failures
 
     # -- one new token ------------------------------------------------------------------------------
 
@@ -53,7 +96,7 @@ class OutputProcessor:
     def push_text(self, seq: Seq, tok: int, by_token: bool) -> None:
         """The other half: incremental detokenization and stop strings.  Only a request with stop
         strings can finish here; for the others the runner may run this while the engine computes
-        the next step (``StepRunner``: overlap)."""
+        the next step (``lmdock._engine.overlap``)."""
         if seq.detok is None or (by_token and not seq.row.params.include_stop_str_in_output):
             return
         delta = seq.detok.push(tok)

@@ -11,6 +11,9 @@ decision needs the text at once.
 Where the forward uses every core (ONNX Runtime, torch and MLX on a CPU start one thread per core),
 the helper competes with it: on a 2-core machine ONNX Runtime's decode step took 321 -> 411 us with
 the helper beside it, and the hand-off itself ~11 us, so the default there is off.
+
+:class:`DeferredOutput` holds the deferred work of the last step and runs it beside the next one;
+:class:`HostWorker` is the helper thread.  Failures go back to the loop (``Requests.settle``).
 """
 
 from __future__ import annotations
@@ -19,8 +22,84 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from typing import Any, TypeAlias
+
+from lmdock._engine.failures import Failure, as_request_error
+from lmdock._engine.output import OutputProcessor
+from lmdock._engine.sequence import Req, Seq
+from lmdock._sinks import safe_put
 
 log = logging.getLogger("lmdock.engine")
+
+#: A step's output work goes to the helper thread only when it has at least this many texts to
+#: detokenize and outputs to report; less does not pay for the hand-off (~10-20 us,
+#: ``benchmarks/engine_overhead.py --compute-us``).
+MIN_DEFERRED = 4
+
+#: Deferred work: (sequence, token, stopped by a token) to detokenize, then requests to report.
+Job: TypeAlias = "tuple[list[tuple[Seq, int, bool]], list[Req]]"
+
+
+class DeferredOutput:
+    """The deferred half of steps 6-7 (detokenize, then report) for requests without stop strings."""
+
+    def __init__(self, output: OutputProcessor, enabled: bool) -> None:
+        self.output = output
+        self.enabled = enabled
+        self.worker: HostWorker | None = HostWorker() if enabled else None
+        #: the last step's work, run during the next engine step, or flushed
+        self.pending: Job | None = None
+
+    def defer(self, texts: list[tuple[Seq, int, bool]], reports: list[Req]) -> list[Failure]:
+        """Keep a step's work for the next engine step, or do it now when it is too little to pay
+        for the hand-off (``MIN_DEFERRED``)."""
+        if len(texts) + len(reports) >= MIN_DEFERRED:
+            self.pending = (texts, reports)
+            return []
+        return self.emit((texts, reports)) if texts or reports else []
+
+    def beside(self, step: Callable[..., Any], *args: Any) -> tuple[Any, Exception | None, list[Failure]]:
+        """Run ``step(*args)`` (the engine step) with the pending work on the helper thread beside it:
+        ``(its result or None, what it raised or None, the pending work's failures)``.  Whatever
+        happened, the helper is done before this returns."""
+        job, self.pending = self.pending, None
+        failures: list[Failure] = []
+        if job is not None:
+            assert self.worker is not None  # noqa: S101 - only the overlap defers work
+            self.worker.start(lambda: failures.extend(self.emit(job)))
+        try:
+            return step(*args), None, failures
+        except Exception as exc:
+            return None, exc, failures
+        finally:
+            if job is not None:
+                self.worker.wait()  # type: ignore[union-attr]
+
+    def flush(self) -> list[Failure]:
+        """Run the pending work now, in the loop thread."""
+        job, self.pending = self.pending, None
+        return self.emit(job) if job is not None else []
+
+    def emit(self, job: Job) -> list[Failure]:
+        """Detokenize, then report (on the helper thread, or inline when flushed).  Touches only these
+        requests' text and sinks; a request whose text failed gets no report, its failure instead."""
+        texts, reports = job
+        push = self.output.push_text
+        failed: dict[int, Failure] = {}
+        for seq, token, by_token in texts:
+            try:
+                push(seq, token, by_token)
+            except Exception as exc:
+                failed.setdefault(id(seq.req), (seq, as_request_error(exc, "detokenizing")))
+        snapshot = self.output.snapshot
+        for req in reports:
+            if id(req) not in failed:
+                safe_put(req.sink, snapshot(req))
+        return list(failed.values())
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
 
 
 class HostWorker:

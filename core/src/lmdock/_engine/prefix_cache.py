@@ -28,6 +28,10 @@ class PrefixCache:
         self.root = _Node()
         self._kv: OrderedDict[int, _Node] = OrderedDict()  # seq_id -> node, least recent first
 
+    def __len__(self) -> int:
+        """Sequences whose KV state the cache holds."""
+        return len(self._kv)
+
     def lookup(self, tokens: Sequence[int]) -> tuple[Any, int | None, int]:
         """``(result or None, seq_id of the longest cached KV prefix or None, its length)``."""
         node, best, best_len = self.root, None, 0

@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from lmdock._contract import StepEngine
+from lmdock._engine.failures import settle_future
+from lmdock._engine.kv import KV
 from lmdock._engine.prefix_cache import PrefixCache
 from lmdock._engine.sampler import log_softmax
 from lmdock._engine.scheduler import Scheduler
@@ -18,11 +19,10 @@ from lmdock._errors import LmdockError
 
 
 class Queries:
-    def __init__(self, engine: StepEngine, scheduler: Scheduler, new_seq_id: Callable[[], int], release: Callable[[QuerySeq], None]) -> None:
-        self.engine = engine
+    def __init__(self, kv: KV, scheduler: Scheduler, new_seq_id: Callable[[], int]) -> None:
+        self.kv = kv
         self.scheduler = scheduler
         self.new_seq_id = new_seq_id
-        self.release = release
         self.cache = PrefixCache()
         self.pending: dict[tuple[int, ...], QuerySeq] = {}
 
@@ -37,13 +37,12 @@ class Queries:
             return
         query = QuerySeq(self.new_seq_id(), ids)
         query.futures.append(future)
-        if src is not None and length < len(ids) and self.engine.fork(src, query.seq_id, length):
-            query.num_computed = length
-            query.held = True
+        if src is not None and length < len(ids):
+            self.kv.fork(src, query, length)
         try:
             self.scheduler.add(query)
         except LmdockError as exc:
-            self.release(query)
+            self.kv.release(query)
             future.set_exception(exc)
             return
         self.pending[key] = query
@@ -54,18 +53,17 @@ class Queries:
         query.done = True
         result = log_softmax(logits[None, :])[0]
         del self.pending[tuple(query.token_ids)]
-        query.held = False  # the cache holds it now, and releases what it evicts
-        for seq_id in self.cache.insert(query.token_ids, result, query.seq_id):
-            self.engine.release(seq_id)
+        seq_id = self.kv.hand_over(query)  # the cache holds it now, and releases what it evicts
+        self.kv.release_ids(self.cache.insert(query.token_ids, result, seq_id))
         for fut in query.futures:
-            _settle(fut, result=result.copy())
+            settle_future(fut, result=result.copy())
 
     def fail(self, query: QuerySeq, error: BaseException) -> None:
         query.done = True
         self.pending.pop(tuple(query.token_ids), None)
-        self.release(query)
+        self.kv.release(query)
         for fut in query.futures:
-            _settle(fut, error=error)
+            settle_future(fut, error=error)
 
     def fail_all(self, error: BaseException) -> None:
         for query in list(self.pending.values()):
@@ -73,15 +71,4 @@ class Queries:
 
     def clear(self) -> None:
         """Drop the cache and the KV state it holds."""
-        for seq_id in self.cache.clear():
-            self.engine.release(seq_id)
-
-
-def _settle(fut: concurrent.futures.Future, result: object = None, error: BaseException | None = None) -> None:
-    try:
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
-    except concurrent.futures.InvalidStateError:  # cancelled by its caller meanwhile
-        pass
+        self.kv.release_ids(self.cache.clear())

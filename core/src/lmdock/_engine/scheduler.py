@@ -142,3 +142,12 @@ class FcfsScheduler:
                 self.waiting.appendleft(v)
             preempted.extend(victims)
         return preempted, failed
+
+
+def add_beside(scheduler: Scheduler, parent: SchedSeq, child: SchedSeq) -> None:
+    """Schedule a sequence forked from ``parent``: beside it where the scheduler can (its optional
+    ``fork``; a beam search's beams advance together), else as a new arrival."""
+    if hasattr(scheduler, "fork"):
+        scheduler.fork(parent, child)
+    else:
+        scheduler.add(child)

@@ -4,7 +4,7 @@ A sequence's ``held`` flag is the release rule in one place: it is set just befo
 step that includes the sequence (the engine may take KV state for it from that moment, even if the
 step fails) or when a fork gave it KV state, and cleared by the one release that follows.  Every path
 that ends a sequence (finish, stop, abort, failure, preemption, beam pruning, shutdown) goes through
-``StepRunner._release``, which releases a held sequence exactly once.
+``lmdock._engine.kv``, which releases a held sequence exactly once.
 """
 
 from __future__ import annotations
@@ -124,3 +124,10 @@ class QuerySeq:
         self.held = False
         self.done = False
         self.futures: list[concurrent.futures.Future[np.ndarray]] = []
+
+
+def live(seq: Seq | QuerySeq) -> bool:
+    """Still to be computed: not finished, and (for a request's sequence) its request not ended."""
+    if isinstance(seq, QuerySeq):
+        return not seq.done
+    return seq.finish_reason is None and seq.req is not None and not seq.req.done

@@ -1,0 +1,96 @@
+"""Automatic prefix caching of generate prompts (``kv_cache.enable_prefix_caching``): the policy.
+
+When a request's prompt is computed, a sequence forked from it holds its KV state in a
+:class:`~lmdock._engine.prefix_cache.PromptCache`; a new prompt forks the longest prefix it shares
+with a cached one and computes only the rest.  Cached prompts hold KV state the scheduler does not
+see, so the scheduler plans within what they leave, and the cache gives way first: it is dropped when
+it would hold more than half the capacity and whenever the scheduler preempts.  The first time the
+engine cannot fork, caching is off for good.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from lmdock._engine.kv import KV
+from lmdock._engine.prefix_cache import PromptCache
+from lmdock._engine.scheduler import Scheduler
+from lmdock._engine.sequence import Seq
+
+log = logging.getLogger("lmdock.engine")
+
+
+class PromptCaching:
+    def __init__(self, kv: KV, scheduler: Scheduler, new_seq_id: Callable[[], int], enabled: bool) -> None:
+        self.kv = kv
+        self.scheduler = scheduler
+        self.new_seq_id = new_seq_id
+        #: None: caching is off (not asked for, or the engine could not fork)
+        self.cache: PromptCache | None = PromptCache() if enabled else None
+
+    @property
+    def held(self) -> int:
+        """Sequences the cache holds KV state for."""
+        return len(self.cache) if self.cache is not None else 0
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.cache.hit_tokens if self.cache is not None else 0
+
+    def reuse(self, seq: Seq) -> None:
+        """Fork the KV state of the longest prefix the prompt shares with a cached one (at least one
+        prompt token is left to compute: its logits start the output)."""
+        if self.cache is None:
+            return
+        src, length = self.cache.lookup(seq.token_ids)
+        length = min(length, seq.prompt_len - 1)
+        if src is None or length <= 0:
+            return
+        if self.kv.fork(src, seq, length):
+            self.cache.hit_tokens += length
+        else:
+            self.drop(disable=True)
+
+    def wants(self, seq: Seq) -> bool:
+        """The sequence has just computed a prompt not cached yet."""
+        return self.cache is not None and seq.index == 0 and seq.num_output == 0 and not seq.req.cached  # type: ignore[union-attr]
+
+    def store(self, seq: Seq) -> None:
+        """Cache the prompt ``seq`` has just computed, in a forked sequence."""
+        assert self.cache is not None and seq.req is not None  # noqa: S101 - after wants()
+        seq.req.cached = True
+        cache_id = self.new_seq_id()
+        try:
+            forked = self.kv.fork_id(seq.seq_id, cache_id, seq.prompt_len)
+        except Exception:
+            log.exception("forking a prompt into the prefix cache failed; prefix caching is off")
+            forked = False
+        if not forked:
+            self.drop(disable=True)
+            return
+        self.kv.release_ids(self.cache.insert(seq.token_ids[: seq.prompt_len], cache_id))
+        self._reserve_capacity()
+
+    def _reserve_capacity(self) -> None:
+        """The scheduler plans within what cached prompts leave; they are dropped before that would
+        leave less than half the capacity."""
+        capacity = self.kv.capacity
+        if capacity is None or not hasattr(self.scheduler, "capacity") or self.cache is None:
+            return
+        cached = self.cache.tokens
+        if cached > capacity // 2:
+            self.drop()
+            cached = 0
+        self.scheduler.capacity = capacity - cached
+
+    def drop(self, disable: bool = False) -> None:
+        """Release every cached prompt (KV pressure, ``clear_cache``); ``disable``: and stop caching."""
+        if self.cache is None:
+            return
+        self.kv.release_ids(self.cache.clear())
+        if disable:
+            self.cache = None
+        capacity = self.kv.capacity
+        if capacity is not None and hasattr(self.scheduler, "capacity"):
+            self.scheduler.capacity = capacity
