@@ -185,11 +185,10 @@ def _wrap_step_engine(engine: Any, spec: BackendSpec, mc: ModelConfig, hook: Any
         return out
 
     make_constraints = hook.lmdock_make_constraints(backend=spec.name, model_config=mc, tokenizer=engine.tokenizer, vocab_size=engine.vocab_size, eos_token_ids=tuple(engine.eos_token_ids))
-    runner = StepRunner(engine, scheduler, sampler, processors_for, constraints_for=make_constraints,
-                        prefix_caching=mc.kv_cache.enable_prefix_caching, async_output=mc.scheduler.async_output)
-    if getattr(make_constraints, "fill_masks", None) is not None:
-        runner._fill_masks = make_constraints.fill_masks  # a whole batch's masks at once
-    return runner
+    # fill_masks: a whole batch's masks at once, where the constraint stage has it
+    return StepRunner(engine, scheduler, sampler, processors_for, constraints_for=make_constraints,
+                      prefix_caching=mc.kv_cache.enable_prefix_caching, async_output=mc.scheduler.async_output,
+                      fill_masks=getattr(make_constraints, "fill_masks", None))
 
 
 def sampling_dict(value: Any) -> dict[str, Any]:

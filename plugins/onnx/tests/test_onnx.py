@@ -109,7 +109,7 @@ def test_loads_onnxruntime_genai_model_builder_output(tmp_path: Path) -> None:
     out = tmp_path / "genai"
     build = subprocess.run(
         [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source), "-m", str(source), "-o", str(out), "-p", "fp32", "-e", "cpu"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,  # the builder writes ./cache_dir
     )
     assert build.returncode == 0, build.stderr[-2000:]
     assert (out / "genai_config.json").is_file()
