@@ -15,21 +15,19 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-from lmdock._contract import EngineRequest, PoolingInput, RequestEngine
+from lmdock._contract import EngineRequest, RequestEngine
 from lmdock._errors import ConfigError, EngineClosedError, QueueFullError, RequestError, UnsupportedError
 from lmdock._loader import load_engine, resolve_model
-from lmdock._outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
-from lmdock._params import PoolingParams, SamplingParams
+from lmdock._outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
+from lmdock._params import SamplingParams
+from lmdock._pooling_calls import PoolingArg, PoolingCalls
 from lmdock._progress import Progress
+from lmdock._prompts import Prompt, as_batch, indexed, indexed_error
 from lmdock._schema import build
 from lmdock._sinks import AsyncQueueSink, QueueSink, RequestFuture
 
-#: A prompt: text, or token ids (TensorRT-LLM style).
-Prompt = str | Sequence[int]
 #: Sampling parameters as a call takes them: complete params, overrides of the defaults, or None.
 ParamsArg = SamplingParams | dict[str, Any] | None
-#: Pooling parameters as a call takes them: complete params, a dict of fields, or None (the defaults).
-PoolingArg = PoolingParams | dict[str, Any] | None
 
 #: generation_config.json keys that become sampling defaults (only those the file sets explicitly).
 _GENERATION_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens")
@@ -186,11 +184,11 @@ class LLM:
         A prompt is text or a list of token ids.  ``sampling_params`` is one for all prompts or a
         list with one per prompt; a dict overrides fields of :meth:`get_default_sampling_params`.
         """
-        batch = _as_batch(prompts)
+        batch = as_batch(prompts)
         plist = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(batch)
         if len(plist) != len(batch):
             raise RequestError(f"got {len(plist)} sampling_params for {len(batch)} prompts")
-        requests = [_indexed(i, len(batch), self._request, p, self._params(sp)) for i, (p, sp) in enumerate(zip(batch, plist))]
+        requests = [indexed(i, len(batch), self._request, p, self._params(sp)) for i, (p, sp) in enumerate(zip(batch, plist))]
         return self._run_batch(requests, use_tqdm)
 
     def _run_batch(self, requests: list[EngineRequest], use_tqdm: bool | None) -> list[RequestOutput]:
@@ -206,7 +204,7 @@ class LLM:
             while todo or futures:
                 while todo and len(futures) < window:
                     i = todo.popleft()
-                    futures[i] = _indexed(i, len(requests), self._submit, requests[i])
+                    futures[i] = indexed(i, len(requests), self._submit, requests[i])
                 done, _ = concurrent.futures.wait(futures.values(), return_when=concurrent.futures.FIRST_COMPLETED)
                 full = False
                 for i in [i for i, f in futures.items() if f in done]:
@@ -217,7 +215,7 @@ class LLM:
                         full = True
                         continue
                     if error is not None:
-                        raise _indexed_error(i, len(requests), error)
+                        raise indexed_error(i, len(requests), error)
                     out = fut.result()
                     results[i] = out
                     progress.update(sum(len(o.token_ids) for o in out.outputs))
@@ -250,7 +248,7 @@ class LLM:
         ]
         params = self._params(sampling_params)
         # The template writes the special tokens itself (BOS...), so they are not added again.
-        requests = [_indexed(i, len(prompts), self._request, p, params, add_special_tokens=False) for i, p in enumerate(prompts)]
+        requests = [indexed(i, len(prompts), self._request, p, params, add_special_tokens=False) for i, p in enumerate(prompts)]
         return self._run_batch(requests, use_tqdm)
 
     def render_chat(
@@ -406,23 +404,7 @@ class LLM:
         pooling and normalization (its sentence-transformers files), then ``[models.NAME.pooling]``.
         Prompts from concurrent calls are computed together in batches.
         """
-        engine = self._pooler("embed")
-        if engine.task != "embed":
-            raise UnsupportedError(f"model {self.model_config.model!r} is a cross-encoder (a sequence classifier): it scores "
-                                   "text pairs with LLM.score; embed needs an embedding model")
-        batch = _as_batch(prompts)
-        plist = list(pooling_params) if isinstance(pooling_params, (list, tuple)) else [pooling_params] * len(batch)
-        if len(plist) != len(batch):
-            raise RequestError(f"got {len(plist)} pooling_params for {len(batch)} prompts")
-        params = [_indexed(i, len(batch), self._pooling_params, engine, p) for i, p in enumerate(plist)]
-        encoded = self._encode_texts(engine, batch, [prm.truncate_prompt_tokens for prm in params])
-        items = [_indexed(i, len(batch), self._pooling_input, engine, p, None, prm.truncate_prompt_tokens, encoded.get(i))
-                 for i, (p, prm) in enumerate(zip(batch, params))]
-        rows = self._pool(engine, items, [p.pooling_type for p in params])
-        return [
-            EmbeddingRequestOutput(f"embd-{next(_ids)}", EmbeddingOutput(_postprocess(row, prm)), item.token_ids)
-            for row, prm, item in zip(rows, params, items)
-        ]
+        return self._pooling("embed").embed(as_batch(prompts), pooling_params)
 
     def score(
         self,
@@ -439,186 +421,20 @@ class LLM:
         is the sigmoid of its logit, as sentence-transformers' ``CrossEncoder.predict``; an embedding
         model gives the cosine similarity of the two embeddings.
         """
-        engine = self._pooler("score")
-        firsts, seconds = _pairs(text_1, text_2)
-        params = self._pooling_params(engine, pooling_params)
-        if truncate_prompt_tokens is not None:
-            params = params.replace(truncate_prompt_tokens=truncate_prompt_tokens)
-        truncate = params.truncate_prompt_tokens
-        n = len(firsts)
-        if engine.task == "classify":
-            items = [_indexed(i, n, self._pooling_input, engine, a, b, truncate) for i, (a, b) in enumerate(zip(firsts, seconds))]
-            rows = self._pool(engine, items, [params.pooling_type] * n)
-            return [ScoringRequestOutput(f"score-{next(_ids)}", ScoringOutput(_sigmoid(row)), item.token_ids)
-                    for row, item in zip(rows, items)]
-        left = [_indexed(i, n, self._pooling_input, engine, a, None, truncate) for i, a in enumerate(firsts)]
-        right = [_indexed(i, n, self._pooling_input, engine, b, None, truncate) for i, b in enumerate(seconds)]
-        rows = self._pool(engine, left + right, [params.pooling_type] * (2 * n))
-        return [
-            ScoringRequestOutput(f"score-{next(_ids)}", ScoringOutput(_cosine(rows[i], rows[n + i], params)), left[i].token_ids + right[i].token_ids)
-            for i in range(n)
-        ]
+        return self._pooling("score").score(text_1, text_2, truncate_prompt_tokens, pooling_params)
 
-    def _pooler(self, capability: str) -> Any:
+    def _pooling(self, capability: str) -> PoolingCalls:
         engine = self.engine
         if hasattr(engine, "pool"):
-            return engine
+            return PoolingCalls(engine, self._tokenizer, self.model_config)
         ok, reason = self.backend.capability(capability)
         if not ok:
             raise UnsupportedError(f"backend {self.backend.name!r} has no {capability}: {reason}")
         raise UnsupportedError(f"model {self.model_config.model!r} was loaded for generation; {capability} needs an embedding "
                                "model (a BERT-style encoder or a sentence-transformers folder) or a cross-encoder")
 
-    def _pooling_params(self, engine: Any, params: PoolingArg) -> PoolingParams:
-        model = PoolingParams(normalize=engine.normalize, pooling_type=engine.pooling_type)
-        defaults = self.model_config.pooling.over(model)
-        if isinstance(params, dict):
-            params = build(PoolingParams, params, source="<call>", prefix="pooling_params")
-        if params is not None and not isinstance(params, PoolingParams):
-            raise TypeError(f"pooling_params must be PoolingParams, a dict or None, not {type(params).__name__}")
-        merged = defaults if params is None else params.over(defaults)
-        if merged.dimensions is not None and merged.dimensions > engine.hidden_size:
-            raise RequestError(f"dimensions={merged.dimensions}: the model's embeddings have {engine.hidden_size}; "
-                               f"ask for at most {engine.hidden_size}")
-        return merged
-
-    def _encode_texts(self, engine: Any, batch: Sequence[Prompt], truncates: Sequence[int | None]) -> dict[int, list[int]]:
-        """Token ids of a batch's non-empty texts, one tokenizer call per truncation setting, as
-        sentence-transformers tokenizes a batch: a fast (Rust) tokenizer encodes a list in parallel.
-        Other tokenizers, and the prompts left out here, are tokenized one at a time by _pooling_input."""
-        tokenizer = self._tokenizer()
-        if not getattr(tokenizer, "is_fast", False):
-            return {}
-        limit = engine.max_seq_len
-        groups: dict[int | None, list[int]] = {}
-        for i, (prompt, truncate) in enumerate(zip(batch, truncates)):
-            truncate = limit if truncate == -1 else truncate
-            if isinstance(prompt, str) and prompt and (truncate is None or truncate <= limit):
-                groups.setdefault(truncate, []).append(i)
-        encoded: dict[int, list[int]] = {}
-        for truncate, indices in groups.items():
-            if len(indices) < 2:
-                continue
-            ids = tokenizer([batch[i] for i in indices], truncation=truncate is not None, max_length=truncate)["input_ids"]
-            encoded.update((i, list(row)) for i, row in zip(indices, ids))
-        return encoded
-
-    def _pooling_input(self, engine: Any, prompt: Prompt, pair: str | None, truncate: int | None,
-                       encoded: list[int] | None = None) -> PoolingInput:
-        limit = engine.max_seq_len
-        if truncate == -1:
-            truncate = limit
-        if truncate is not None and truncate > limit:
-            raise RequestError(f"truncate_prompt_tokens={truncate}: the model takes at most {limit} tokens; "
-                               "use -1 for the model's maximum")
-        if isinstance(prompt, str):
-            if not prompt or pair == "":
-                raise RequestError("the text is empty: give a non-empty string")
-            if encoded is not None:  # tokenized with the rest of its batch (_encode_texts)
-                enc: Any = {"input_ids": encoded}
-            else:
-                enc = self._tokenizer()(prompt, pair, truncation=truncate is not None, max_length=truncate)
-            ids = list(enc["input_ids"])
-            types = list(enc["token_type_ids"]) if pair is not None and "token_type_ids" in enc else None
-        elif pair is None and isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids, types = list(prompt)[-truncate:] if truncate else list(prompt), None
-            if not ids:
-                raise RequestError("the prompt is empty: give at least one token id")
-        else:
-            raise RequestError(f"a prompt is a string{'' if pair is not None else ' or a list of token ids'}, "
-                               f"not {type(prompt).__name__}: {prompt!r:.80}")
-        if len(ids) > limit:
-            raise RequestError(f"the prompt has {len(ids)} tokens, more than the {limit} the model takes; shorten it, "
-                               f"or pass PoolingParams(truncate_prompt_tokens=-1) to cut it to {limit}")
-        return PoolingInput(ids, types)
-
-    def _pool(self, engine: Any, items: list[PoolingInput], pooling_types: list[str | None]) -> list[Any]:
-        futures = []
-        try:
-            for item, pooling_type in zip(items, pooling_types):
-                futures.append(engine.pool(item, pooling_type))
-            return [_indexed(i, len(futures), _result, f) for i, f in enumerate(futures)]
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
-
-
-def _result(future: Any) -> Any:
-    try:
-        return future.result()
-    except UnsupportedError:
-        raise
-    except Exception as exc:  # the engine failed on this prompt alone
-        raise RequestError(str(exc)) from None
-
-
-def _postprocess(row: Any, params: PoolingParams) -> list[float]:
-    """vLLM's order: Matryoshka truncation, then normalization (eps as torch's F.normalize)."""
-    import numpy as np
-
-    vec = np.asarray(row, dtype=np.float32)
-    if params.dimensions is not None:
-        vec = vec[: params.dimensions]
-    if params.normalize:
-        vec = vec / max(float(np.linalg.norm(vec)), 1e-12)
-    return vec.tolist()
-
-
-def _cosine(a: Any, b: Any, params: PoolingParams) -> float:
-    import numpy as np
-
-    va = np.asarray(_postprocess(a, params), dtype=np.float64)
-    vb = np.asarray(_postprocess(b, params), dtype=np.float64)
-    return float(va @ vb / max(np.linalg.norm(va) * np.linalg.norm(vb), 1e-12))
-
-
-def _sigmoid(row: Any) -> float:
-    import math
-
-    return 1.0 / (1.0 + math.exp(-float(row[0])))
-
-
-def _pairs(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> tuple[list[Any], list[Any]]:
-    """vLLM's pairing: 1 -> 1, 1 -> N (the first text repeated) or N -> N."""
-    firsts = [text_1] if isinstance(text_1, str) else list(text_1)
-    seconds = [text_2] if isinstance(text_2, str) else list(text_2)
-    if not firsts or not seconds:
-        raise RequestError("score needs at least one text on each side")
-    if len(firsts) == 1:
-        firsts = firsts * len(seconds)
-    if len(firsts) != len(seconds):
-        raise RequestError(f"score pairs text_1 and text_2 one to one, or one text_1 with every text_2; got "
-                           f"{len(firsts)} and {len(seconds)} texts")
-    return firsts, seconds
-
-
-def _indexed(i: int, total: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Call ``fn``; in a batch, a bad request's error says which prompt it was."""
-    try:
-        return fn(*args, **kwargs)
-    except RequestError as exc:
-        if total == 1:
-            raise
-        raise RequestError(f"prompt {i}: {exc}") from None
-
-
-def _indexed_error(i: int, total: int, error: BaseException) -> BaseException:
-    """A batch's failed request, saying which prompt it was."""
-    if total == 1 or not isinstance(error, RequestError):
-        return error
-    return RequestError(f"prompt {i}: {error}")
-
 
 def _all_fields(params: SamplingParams) -> dict[str, Any]:
     return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
 
 
-def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
-        return [prompts]  # one token-id prompt
-    if isinstance(prompts, Sequence) and not prompts:
-        raise RequestError("no prompts given")
-    return list(prompts)  # type: ignore[arg-type]
