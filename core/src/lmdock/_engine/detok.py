@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop-string matching.
+"""Incremental detokenization (stop strings: ``stops.py``).
 
 Decoding token by token breaks words that span tokens (SentencePiece's leading-space marker) and
 multi-byte characters split across byte tokens.  Like vLLM, each step decodes a short window twice,
@@ -75,31 +75,3 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self._ids)
         self.text += delta
         return delta
-
-
-class StopStrings:
-    """Finds the first stop string in generated text, across token boundaries."""
-
-    def __init__(self, stops: Sequence[str], include_in_output: bool) -> None:
-        self.stops = tuple(stops)
-        self.include = include_in_output
-        #: Characters held back from a stream: they might be the start of a stop string.
-        self.holdback = max((len(s) for s in self.stops), default=1) - 1
-
-    def find(self, text: str, new_chars: int) -> tuple[str, str] | None:
-        """Search the part of ``text`` the last ``new_chars`` could complete.
-
-        :return: ``(text cut at the stop string, the stop string)`` or None.
-        """
-        if not self.stops or new_chars == 0:
-            return None
-        begin = max(0, len(text) - new_chars - self.holdback)
-        best: tuple[int, str] | None = None
-        for stop in self.stops:
-            i = text.find(stop, begin)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, stop)
-        if best is None:
-            return None
-        i, stop = best
-        return (text[: i + len(stop)] if self.include else text[:i]), stop

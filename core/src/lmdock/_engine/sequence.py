@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lmdock._engine.beam import BeamSearch
-from lmdock._engine.detok import IncrementalDetokenizer, StopStrings
+from lmdock._engine.detok import IncrementalDetokenizer
 from lmdock._engine.sampler import LogitsProcessor, SampleRow
+from lmdock._engine.stops import StopStrings
 
 if TYPE_CHECKING:
     from lmdock._contract import EngineRequest, OutputSink, StepEngine
@@ -68,6 +69,7 @@ class Seq:
         child.token_ids = list(self.token_ids)
         child.held = False
         child.beam_lp = None
+        child.stops = self.stops.copy()  # its own place in the stop strings' automaton
         return child
 
     @property
