@@ -139,6 +139,16 @@ class PromptCache:
             node = child
         return seq_id
 
+    def evict(self, tokens: int) -> tuple[list[int], int]:
+        """Drop least recently used prompts until ``tokens`` KV positions are freed (or none is left);
+        return the sequences to release and the positions freed."""
+        evicted, freed = [], 0
+        while self._entries and freed < tokens:
+            seq_id = next(iter(self._entries))
+            freed += len(self._entries[seq_id])
+            evicted.append(self._remove(seq_id))
+        return evicted, freed
+
     def clear(self) -> list[int]:
         held = list(self._entries)
         self._entries.clear()

@@ -4,8 +4,9 @@ When a request's prompt is computed, a sequence forked from it holds its KV stat
 :class:`~lmdock._engine.prefix_cache.PromptCache`; a new prompt forks the longest prefix it shares
 with a cached one and computes only the rest.  Cached prompts hold KV state the scheduler does not
 see, so the scheduler plans within what they leave, and the cache gives way first: it is dropped when
-it would hold more than half the capacity and whenever the scheduler preempts.  The first time the
-engine cannot fork, caching is off for good.
+it would hold more than half the capacity, and a scheduler that would otherwise preempt or fail a
+sequence for want of KV room first asks :meth:`PromptCaching.reclaim` for it (least recently used
+prompts go first).  The first time the engine cannot fork, caching is off for good.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class PromptCaching:
         self.new_seq_id = new_seq_id
         #: None: caching is off (not asked for, or the engine could not fork)
         self.cache: PromptCache | None = PromptCache() if enabled else None
+        if enabled and getattr(scheduler, "reclaim", False) is None:  # a scheduler that asks before evicting
+            scheduler.reclaim = self.reclaim  # type: ignore[attr-defined]
 
     @property
     def held(self) -> int:
@@ -83,6 +86,16 @@ class PromptCaching:
             self.drop()
             cached = 0
         self.scheduler.capacity = capacity - cached
+
+    def reclaim(self, tokens: int) -> int:
+        """The scheduler lacks ``tokens`` KV positions: release least recently used cached prompts
+        until it has them (or the cache is empty); return the positions freed, by which the
+        scheduler's capacity grows."""
+        if self.cache is None or not len(self.cache):
+            return 0
+        evicted, freed = self.cache.evict(tokens)
+        self.kv.release_ids(evicted)
+        return freed
 
     def drop(self, disable: bool = False) -> None:
         """Release every cached prompt (KV pressure, ``clear_cache``); ``disable``: and stop caching."""

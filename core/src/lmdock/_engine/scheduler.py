@@ -6,6 +6,9 @@ first, while there is room in ``max_num_seqs``, the token budget and the KV capa
 state would overflow, the newest running sequence is preempted: its state is dropped and it waits at
 the head of the queue to be recomputed later, rather than failed.
 
+Before it preempts or fails anything for want of KV room, the scheduler asks ``reclaim`` (set by the
+prefix cache) to free what it lacks: cached prompts go before running or waiting sequences do.
+
 Sequences that share a ``group`` (a beam search's beams, which advance together) are preempted and
 readmitted together, so no member waits for a sibling that cannot get back in; a group, or a
 sequence, that cannot fit even with nothing else running fails with the reason instead of waiting.
@@ -14,6 +17,7 @@ sequence, that cannot fit even with nothing else running fails with the reason i
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 from lmdock._errors import QueueFullError, RequestError
@@ -46,6 +50,9 @@ class FcfsScheduler:
         self.capacity = kv_capacity_tokens
         self.waiting: deque[SchedSeq] = deque()
         self.running: list[SchedSeq] = []
+        #: ``reclaim(tokens) -> tokens freed``: KV room held elsewhere (cached prompts), asked for
+        #: before a sequence is preempted or failed; the capacity grows by what it frees
+        self.reclaim: Callable[[int], int] | None = None
 
     def add(self, seq: SchedSeq) -> None:
         if len(self.waiting) >= self.config.max_waiting:
@@ -53,6 +60,8 @@ class FcfsScheduler:
                 f"the waiting queue is full ({self.config.max_waiting} sequences); retry later or raise "
                 "scheduler.max_waiting"
             )
+        while self.capacity is not None and len(seq.token_ids) > self.capacity and self._reclaimed(len(seq.token_ids) - self.capacity):
+            pass  # cached prompts gave way
         if self.capacity is not None and len(seq.token_ids) > self.capacity:
             raise RequestError(
                 f"prompt of {len(seq.token_ids)} tokens exceeds the KV capacity ({self.capacity} tokens)"
@@ -92,6 +101,8 @@ class FcfsScheduler:
                 break  # (a group larger than max_num_seqs still runs, alone)
             need = sum(len(s.token_ids) for s in members) if len(members) > 1 else members[0].num_computed + min(len(members[0].token_ids) - members[0].num_computed, budget)
             if self.capacity is not None and self._kv_after(plan) + need > self.capacity:
+                if self._reclaimed(self._kv_after(plan) + need - self.capacity):
+                    continue  # cached prompts gave way: look at the same group again
                 if not self.running:  # it cannot fit even alone: fail it rather than wait forever
                     for s in members:
                         self.waiting.remove(s)
@@ -110,6 +121,13 @@ class FcfsScheduler:
                     budget -= n
         return plan, preempted, failed
 
+    def _reclaimed(self, short: int) -> bool:
+        """Ask ``reclaim`` for ``short`` KV positions; True if it freed any (the capacity grew)."""
+        freed = self.reclaim(short) if self.reclaim is not None and self.capacity is not None else 0
+        if freed > 0:
+            self.capacity += freed  # type: ignore[operator]
+        return freed > 0
+
     def _head_group(self) -> list[SchedSeq]:
         head = self.waiting[0]
         group = getattr(head, "group", None)
@@ -127,6 +145,8 @@ class FcfsScheduler:
         if self.capacity is None:
             return preempted, failed
         while self.running and self._kv_after(plan) > self.capacity:
+            if self._reclaimed(self._kv_after(plan) - self.capacity):
+                continue
             newest = self.running[-1]
             group = getattr(newest, "group", None)
             victims = [newest] if group is None else [s for s in self.running if getattr(s, "group", None) == group]
