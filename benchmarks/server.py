@@ -94,7 +94,7 @@ async def in_process_round(llm: Any, prompts: list[list[int]], n: int) -> dict[s
         # stream_generate yields text deltas only, and a random model's token may decode to no
         # text; count outputs by tokens, as the server sends a chunk per step with new tokens.
         tr = Trace()
-        request = llm._request(ids, params, stream=True)
+        request = llm.make_request(ids, params, stream=True)
         sink = AsyncQueueSink(asyncio.get_running_loop())
         llm.engine.submit(request, sink)
         seen = 0

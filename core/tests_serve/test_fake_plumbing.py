@@ -51,7 +51,7 @@ class FakePoolingLLM:
         return [SimpleNamespace(outputs=SimpleNamespace(score=1.0 / (1 + abs(len(a) - len(b)))), prompt_token_ids=[0] * (len(a) + len(b)))
                 for a, b in pairs]
 
-    def _params(self, overrides: Any) -> Any:
+    def sampling_params(self, overrides: Any) -> Any:
         raise RuntimeError("boom: an unexpected failure inside the fake")
 
 
@@ -126,18 +126,29 @@ class FakeStreamingEngine:
 def test_snapshots_waiting_together_go_out_as_one() -> None:
     import asyncio
 
-    from lmdock.server._app import _engine_stream, _State
     from lmdock.server._metrics import Metrics
+    from lmdock.server._state import ServerState
+    from lmdock.server._streaming import engine_stream
 
     engine = FakeStreamingEngine()
-    llm = SimpleNamespace(engine=engine, _request=lambda prompt, params, stream, add_special_tokens: SimpleNamespace(request_id="r1"))
-    state = _State(models={}, settings=ServerConfig(), api_key=None, metrics=Metrics(lambda: {}))
+    llm = SimpleNamespace(engine=engine, make_request=lambda prompt, params, stream, add_special_tokens: SimpleNamespace(request_id="r1"))
+    state = ServerState(models={}, settings=ServerConfig(), api_key=None, metrics=Metrics(lambda: {}))
 
     async def run() -> list[Any]:
-        return [out async for out in _engine_stream(state, SimpleNamespace(llm=llm, name="fake"), "p", None)]
+        return [out async for out in engine_stream(state, SimpleNamespace(llm=llm, name="fake"), "p", None)]
 
     outs = asyncio.run(run())
     # all five were queued before the first was taken: the newest (finished) one is the only one sent
     assert [len(o.outputs[0].token_ids) for o in outs] == [5] and outs[0].finished
     assert engine.aborted == []  # it finished: nothing to abort
     assert state.metrics.generation_tokens.labels("fake")._value.get() == 5  # every token counted
+
+
+def test_the_servers_sampling_fields_are_the_one_table() -> None:
+    from lmdock._params import OPENAI_FIELDS
+    from lmdock.server._protocol import ChatRequest, CompletionRequest
+
+    for cls in (CompletionRequest, ChatRequest):
+        assert set(OPENAI_FIELDS) <= set(cls.model_fields), cls.__name__
+    body = CompletionRequest(prompt="x", max_tokens=3, max_completion_tokens=5, min_tokens=1, stop="a", top_k=2)
+    assert body.overrides() == {"n": 1, "max_new_tokens": 5, "min_new_tokens": 1, "stop": ["a"], "top_k": 2}

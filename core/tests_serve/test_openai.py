@@ -221,3 +221,4 @@ def test_response_format_constrains_the_reply(server: Server) -> None:
     assert choice.finish_reason == "stop", choice
     data = json.loads(choice.message.content)
     assert data["animal"] in ("cat", "dog") and 0 <= data["legs"] <= 8
+

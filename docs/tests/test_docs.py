@@ -52,3 +52,13 @@ def test_the_authoring_guides_example_spec_passes_the_capability_check() -> None
     for cap in CAPABILITIES:
         ok, reason = spec.capability(cap)
         assert ok or (cap in spec.lacks and reason.strip()), f"the guide's example leaves {cap!r} undeclared"
+
+
+def test_every_server_module_is_in_the_servers_code_map() -> None:
+    """docs/server.md's code map names every module of ``lmdock.server`` (read from the folder: the
+    docs tests run without the server's extra installed)."""
+    text = (ROOT / "docs" / "server.md").read_text()
+    modules = sorted(p.name for p in (ROOT / "core" / "src" / "lmdock" / "server").glob("*.py"))
+    assert "serving_completion.py" in modules
+    missing = [m for m in modules if f"| `{m}` |" not in text]
+    assert not missing, f"docs/server.md's code map lacks {', '.join(missing)}: add a row with its one-line concern"
