@@ -9,7 +9,9 @@ server, in-process, server, in-process, ... (round r streams the prompts of seed
 prefix cache has nothing to reuse), each bounded by ``--timeout``.  Printed: every round's output tok/s
 and its server / in-process ratio, then as ``vllm bench serve`` does the median round's throughput,
 TTFT and inter-token latency p50/p99 per side (both sides measure the arrival of streamed chunks), and
-the median and spread (min-max) of the paired ratios (target: median >= 0.95).  Needs
+the median and spread (min-max) of the paired ratios (target: median >= 0.95), and the server's CPU per
+streamed chunk above the in-process LLM's (the server process's CPU seconds in a round, less the
+in-process side's in the paired round, per chunk sent: less disturbed by a loaded machine than wall time).  Needs
 ``lmdock[serve]``, ``lmdock-hf`` and ``openai``.
 
 ``--client raw`` (or ``both``) reads the server's SSE with a bare asyncio connection instead, as
@@ -172,7 +174,9 @@ async def server_round(client: Any, port: int, prompts: list[list[int]], n: int,
     t0 = time.perf_counter()
     traces = await asyncio.gather(*(one(p) for p in prompts))
     label = "openai client" if client_kind == "openai" else "raw SSE client"
-    return summarize(f"lmdock serve ({label}, streaming)", list(traces), n * len(prompts), time.perf_counter() - t0)
+    result = summarize(f"lmdock serve ({label}, streaming)", list(traces), n * len(prompts), time.perf_counter() - t0)
+    result["chunks"] = sum(len(t.arrivals) for t in traces)
+    return result
 
 
 async def paired(path: str, args: argparse.Namespace, kinds: list[str]) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
@@ -201,14 +205,30 @@ async def paired(path: str, args: argparse.Namespace, kinds: list[str]) -> tuple
             for r in range(args.rounds):
                 prompts = workload(args.requests, seed=r)
                 for kind in kinds:
+                    before = process_cpu(proc.pid)
                     served[kind].append(await asyncio.wait_for(server_round(client, port, prompts, n, kind), timeout))
+                    served[kind][-1]["cpu"] = process_cpu(proc.pid) - before
+                before = time.process_time()
                 local.append(await asyncio.wait_for(in_process_round(llm, prompts, n), timeout))
+                local[-1]["cpu"] = time.process_time() - before
                 ratios = "  ".join(f"{k}/in-process {served[k][-1]['tok/s'] / local[-1]['tok/s']:.3f}" for k in kinds)
-                print(f"round {r + 1}/{args.rounds}: in-process {local[-1]['tok/s']:.1f} tok/s, "
-                      + ", ".join(f"server ({k}) {served[k][-1]['tok/s']:.1f}" for k in kinds) + f"; {ratios}", flush=True)
+                print(f"round {r + 1}/{args.rounds}: in-process {local[-1]['tok/s']:.1f} tok/s ({local[-1]['cpu']:.1f} CPU s), "
+                      + ", ".join(f"server ({k}) {served[k][-1]['tok/s']:.1f} ({served[k][-1]['cpu']:.1f} CPU s, "
+                                  f"{served[k][-1]['chunks']} chunks)" for k in kinds) + f"; {ratios}", flush=True)
         return local, served
     finally:
         stop(proc)
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process ``pid`` has spent so far (Linux /proc; nan elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return float("nan")
+    fields = stat[stat.rfind(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -431,6 +451,14 @@ def main() -> None:
     print(f"{args.rounds} paired rounds, interleaved (server, in-process, server, ...); each side's median round:")
     print(table(rows, ("run", "req/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms")))
     for kind in kinds:
+        # CPU time is what a loaded machine disturbs least: the server process's CPU in a round (its
+        # engine thread and its HTTP work) less the in-process LLM's in the paired round (the same
+        # engine work, and a consumer reading its snapshots), per chunk the server sent.
+        costs = [(s["cpu"] - a["cpu"]) / (s["chunks"] or 1) * 1e6 for s, a in zip(served[kind], local)]
+        print(f"server ({kind} client) CPU per streamed chunk above the in-process LLM's, {len(costs)} paired rounds: "
+              f"median {statistics.median(costs):.0f} us, spread {min(costs):.0f}-{max(costs):.0f} us "
+              f"(server CPU s per round: median {statistics.median(s['cpu'] for s in served[kind]):.1f}, in-process "
+              f"{statistics.median(a['cpu'] for a in local):.1f}; chunks per round: median {statistics.median(s['chunks'] for s in served[kind]):.0f})")
         ratios = [s["tok/s"] / a["tok/s"] for s, a in zip(served[kind], local)]
         med = statistics.median(ratios)
         print(f"server ({kind} client) / in-process throughput, {len(ratios)} paired rounds: median {med:.3f}, "
