@@ -144,6 +144,34 @@ def test_snapshots_waiting_together_go_out_as_one() -> None:
     assert state.metrics.generation_tokens.labels("fake")._value.get() == 5  # every token counted
 
 
+# -- unknown fields: refused with a 400 naming them, as `lmdock batch` refuses them ----------------
+
+
+@pytest.mark.parametrize(("route", "body", "param", "hint"), [
+    ("/v1/completions", {"prompt": "hi", "max_token": 5}, "max_token", "did you mean 'max_tokens'?"),
+    ("/v1/chat/completions", {"messages": [], "temprature": 0}, "temprature", "did you mean 'temperature'?"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"include_usag": True}},
+     "stream_options.include_usag", "did you mean 'include_usage'?"),
+    ("/v1/chat/completions", {"messages": [], "logit_bias": {"5": 10}}, "logit_bias", "this request's fields: "),
+    ("/v1/embeddings", {"input": "abc", "encoding": "base64"}, "encoding", "did you mean 'encoding_format'?"),
+    ("/tokenize", {"prompt": "abc", "add_special_token": False}, "add_special_token", "did you mean 'add_special_tokens'?"),
+])
+def test_an_unknown_field_is_400_naming_it(route: str, body: dict[str, Any], param: str, hint: str) -> None:
+    c, llm = _client({"embed"})
+    r = c.post(route, json=body)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["param"] == param and f"unknown field {param.rsplit('.', 1)[-1]!r}" in err["message"] and hint in err["message"]
+    assert llm.calls == []  # refused before the model saw anything
+
+
+def test_an_unknown_field_sent_as_null_asks_for_nothing() -> None:
+    c, llm = _client({"embed"})
+    r = c.post("/v1/embeddings", json={"input": "abc", "logit_bias": None})
+    assert r.status_code == 200 and llm.calls[-1][1] == ["abc"]
+
+
 def test_the_servers_sampling_fields_are_the_one_table() -> None:
     from lmdock._params import OPENAI_FIELDS
     from lmdock.server._protocol import ChatRequest, CompletionRequest

@@ -86,6 +86,8 @@ def install_error_handlers(app: FastAPI) -> None:
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         if first.get("type") == "json_invalid":
             return json_error(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}")
+        if first.get("type") == "unknown_field":  # raised by _protocol's bodies, which name the field themselves
+            return json_error(400, first.get("msg", "unknown field"), ".".join([*loc, first["ctx"]["field"]]))
         param = ".".join(loc) or None
         msg = first.get("msg", "invalid request body")
         return json_error(400, f"{param}: {msg}" if param else msg, param)

@@ -1,12 +1,18 @@
 """Request bodies in OpenAI's shapes (with vLLM's sampling extras), their mapping to SamplingParams
 through the one table of OpenAI's names (``lmdock._params.OPENAI_FIELDS``), and the usage object.
+
+A field a body does not know is refused with a 400 naming it (and the closest known field), as
+``lmdock batch`` refuses it: lmdock never silently drops what a request asks for.  A field sent as
+``null`` asks for nothing and passes.
 """
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from lmdock._outputs import RequestOutput
 from lmdock._params import OPENAI_FIELDS
@@ -14,8 +20,23 @@ from lmdock.server._errors import APIError
 
 
 class _Body(BaseModel):
-    # Unknown fields are accepted and ignored, as OpenAI's and vLLM's servers do.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="ignore")  # a null unknown field; any other is refused below
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, value in data.items():
+                if value is not None and key not in cls.model_fields:
+                    raise PydanticCustomError("unknown_field", "{message}", {"field": key, "message": unknown_field(key, cls.model_fields)})
+        return data
+
+
+def unknown_field(key: str, known: Any) -> str:
+    """The message refusing ``key``: the closest known field, or the known ones."""
+    close = difflib.get_close_matches(key, list(known), n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"this request's fields: {', '.join(sorted(known))}"
+    return f"unknown field {key!r}: lmdock serve refuses what it would not honour; {hint}"
 
 
 class StreamOptions(_Body):
