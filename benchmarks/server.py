@@ -4,9 +4,15 @@
 ignored) on a random-weight Llama of about 100M parameters (benchmarks/_common.py) on the hf backend.
 In-process: 64 streamed requests on one event loop (the engine's snapshots, as ``stream_generate`` uses).  Server: ``lmdock serve`` in a
 subprocess on 127.0.0.1 and 64 streaming ``/v1/completions`` requests from the ``openai`` client's
-async API.  Printed as ``vllm bench serve`` does: throughput, TTFT and inter-token latency p50/p99
-(both sides measure the arrival of streamed chunks), and the server/in-process throughput ratio
-(target: >= 0.95).  Needs ``lmdock[serve]``, ``lmdock-hf`` and ``openai``.
+async API.  Both stay up for the whole run, and ``--rounds`` (7) paired rounds are timed, interleaved:
+server, in-process, server, in-process, ... (round r streams the prompts of seed r on both sides, so a
+prefix cache has nothing to reuse), each bounded by ``--timeout``.  Printed: every round's output tok/s
+and its server / in-process ratio, then as ``vllm bench serve`` does the median round's throughput,
+TTFT and inter-token latency p50/p99 per side (both sides measure the arrival of streamed chunks), and
+the median and spread (min-max) of the paired ratios (target: median >= 0.95), and the server's CPU per
+streamed chunk above the in-process LLM's (the server process's CPU seconds in a round, less the
+in-process side's in the paired round, per chunk sent: less disturbed by a loaded machine than wall time).  Needs
+``lmdock[serve]``, ``lmdock-hf`` and ``openai``.
 
 ``--client raw`` (or ``both``) reads the server's SSE with a bare asyncio connection instead, as
 ``vllm bench serve`` reads it with aiohttp, so that the client's own per-chunk work (the openai
@@ -26,7 +32,7 @@ event).  Printed: the same table plus the CPU seconds the server's own process (
 and vLLM's engine processes spent in the round, and the lmdock serve (vllm) / vllm serve throughput
 ratio (target: >= 0.95).
 
-Run: ``HF_HUB_OFFLINE=1 python benchmarks/server.py [--requests 64] [--tokens 64] [--threads N] [--client openai|raw|both]``
+Run: ``HF_HUB_OFFLINE=1 python benchmarks/server.py [--requests 64] [--tokens 64] [--threads N] [--rounds 7] [--client openai|raw|both]``
 or ``HF_HUB_OFFLINE=1 python benchmarks/server.py --backend vllm [--requests 64] [--tokens 64] [--rounds 3] [--first lmdock|vllm] [--model FOLDER]``.
 """
 
@@ -38,6 +44,7 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,35 +85,34 @@ def summarize(name: str, traces: list[Trace], tokens: int, wall: float) -> dict[
             "itl50": pct(itls, 50), "itl99": pct(itls, 99), "wall": wall}
 
 
-async def in_process(path: str, prompts: list[list[int]], n: int, threads: int) -> dict[str, Any]:
-    from lmdock import LLM, SamplingParams
+async def in_process_round(llm: Any, prompts: list[list[int]], n: int) -> dict[str, Any]:
+    """One timed round of the streamed workload on the in-process ``llm``."""
+    from lmdock import SamplingParams
     from lmdock._sinks import AsyncQueueSink
 
     params = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
-    with LLM(path, backend="hf", scheduler={"max_num_seqs": len(prompts)}, backends={"hf": {"num_threads": threads}}) as llm:
-        llm.generate([prompts[0]], params, use_tqdm=False)  # warm-up
 
-        async def one(ids: list[int]) -> Trace:
-            # stream_generate yields text deltas only, and a random model's token may decode to no
-            # text; count outputs by tokens, as the server sends a chunk per step with new tokens.
-            tr = Trace()
-            request = llm._request(ids, params, stream=True)
-            sink = AsyncQueueSink(asyncio.get_running_loop())
-            llm.engine.submit(request, sink)
-            seen = 0
-            while True:
-                out = await sink.queue.get()
-                if isinstance(out, BaseException):
-                    raise out
-                if len(out.outputs[0].token_ids) > seen:
-                    seen = len(out.outputs[0].token_ids)
-                    tr.arrivals.append(time.perf_counter())
-                if out.finished:
-                    return tr
+    async def one(ids: list[int]) -> Trace:
+        # stream_generate yields text deltas only, and a random model's token may decode to no
+        # text; count outputs by tokens, as the server sends a chunk per step with new tokens.
+        tr = Trace()
+        request = llm.make_request(ids, params, stream=True)
+        sink = AsyncQueueSink(asyncio.get_running_loop())
+        llm.engine.submit(request, sink)
+        seen = 0
+        while True:
+            out = await sink.queue.get()
+            if isinstance(out, BaseException):
+                raise out
+            if len(out.outputs[0].token_ids) > seen:
+                seen = len(out.outputs[0].token_ids)
+                tr.arrivals.append(time.perf_counter())
+            if out.finished:
+                return tr
 
-        t0 = time.perf_counter()
-        traces = await asyncio.gather(*(one(p) for p in prompts))
-        return summarize("in-process LLM (streamed)", list(traces), n * len(prompts), time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    traces = await asyncio.gather(*(one(p) for p in prompts))
+    return summarize("in-process LLM (streamed)", list(traces), n * len(prompts), time.perf_counter() - t0)
 
 
 async def raw_stream(port: int, body: dict[str, Any], tr: Trace) -> None:
@@ -137,49 +143,98 @@ async def raw_stream(port: int, body: dict[str, Any], tr: Trace) -> None:
         writer.close()
 
 
-async def through_server(path: str, prompts: list[list[int]], n: int, threads: int, client_kind: str = "openai") -> dict[str, Any]:
-    import openai
-
+def start_hf_server(path: str, requests: int, threads: int, tmp: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """``lmdock serve`` on the hf backend in a subprocess of its own on 127.0.0.1; returns it and its port."""
     port = free_port()
-    tmp = Path(tempfile.mkdtemp(prefix="lmdock-bench-"))
     cfg = tmp / "lmdock.toml"
-    cfg.write_text(f'default_model = "bench"\n[server]\nport = {port}\n[models.bench]\nmodel = "{path}"\nbackend = "hf"\n'
-                   f'scheduler = {{ max_num_seqs = {len(prompts)} }}\n[models.bench.backends.hf]\nnum_threads = {threads}\n')
+    cfg.write_text(f'default_model = "bench"\n[server]\nhost = "127.0.0.1"\nport = {port}\n[models.bench]\nmodel = "{path}"\n'
+                   f'backend = "hf"\nscheduler = {{ max_num_seqs = {requests} }}\n[models.bench.backends.hf]\nnum_threads = {threads}\n')
     exe = Path(sys.executable).with_name("lmdock")
-    proc = subprocess.Popen([str(exe), "serve", "--config", str(cfg), "--log-level", "warning"], stderr=subprocess.DEVNULL)
-    try:
-        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                await client.models.list()
-                break
-            except openai.APIConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("lmdock serve did not start") from None
-                await asyncio.sleep(0.3)
-        await client.completions.create(model="bench", prompt=prompts[0], max_tokens=n, temperature=0)  # warm-up
+    proc = subprocess.Popen([str(exe), "serve", "--config", str(cfg), "--log-level", "warning"], stderr=subprocess.DEVNULL,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    return proc, port
 
-        async def one(ids: list[int]) -> Trace:
-            tr = Trace()
-            if client_kind == "raw":
-                await raw_stream(port, {"model": "bench", "prompt": ids, "max_tokens": n, "temperature": 0, "stream": True,
-                                        "ignore_eos": True}, tr)
-                return tr
-            stream = await client.completions.create(model="bench", prompt=ids, max_tokens=n, temperature=0, stream=True,
-                                                     extra_body={"ignore_eos": True})
-            async for chunk in stream:
-                if chunk.choices:
-                    tr.arrivals.append(time.perf_counter())
+
+async def server_round(client: Any, port: int, prompts: list[list[int]], n: int, client_kind: str) -> dict[str, Any]:
+    """One timed round of the streamed workload through the server, read by ``client_kind``."""
+
+    async def one(ids: list[int]) -> Trace:
+        tr = Trace()
+        if client_kind == "raw":
+            await raw_stream(port, {"model": "bench", "prompt": ids, "max_tokens": n, "temperature": 0, "stream": True,
+                                    "ignore_eos": True}, tr)
             return tr
+        stream = await client.completions.create(model="bench", prompt=ids, max_tokens=n, temperature=0, stream=True,
+                                                 extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.choices:
+                tr.arrivals.append(time.perf_counter())
+        return tr
 
-        t0 = time.perf_counter()
-        traces = await asyncio.gather(*(one(p) for p in prompts))
-        label = "openai client" if client_kind == "openai" else "raw SSE client"
-        return summarize(f"lmdock serve ({label}, streaming)", list(traces), n * len(prompts), time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    traces = await asyncio.gather(*(one(p) for p in prompts))
+    label = "openai client" if client_kind == "openai" else "raw SSE client"
+    result = summarize(f"lmdock serve ({label}, streaming)", list(traces), n * len(prompts), time.perf_counter() - t0)
+    result["chunks"] = sum(len(t.arrivals) for t in traces)
+    return result
+
+
+async def paired(path: str, args: argparse.Namespace, kinds: list[str]) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
+    """Start the server and the in-process LLM once, warm both up, then time ``args.rounds`` paired
+    rounds, interleaved: the server (each client kind), then the in-process LLM, on the prompts of
+    seed r.  Returns the in-process rounds and, by client kind, the server rounds."""
+    import openai
+    from lmdock import LLM
+
+    n, timeout = args.tokens, args.timeout
+    tmp = Path(tempfile.mkdtemp(prefix="lmdock-bench-"))
+    proc, port = start_hf_server(path, args.requests, args.threads, tmp)
+    try:
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=timeout)
+        deadline = time.monotonic() + args.start_timeout
+        while await http_status(port, "/v1/models") != 200:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("lmdock serve did not start")
+            await asyncio.sleep(0.3)
+        warm = workload(args.requests, seed=1000)
+        await asyncio.wait_for(server_round(client, port, warm, 2, kinds[0]), timeout)
+        with LLM(path, backend="hf", scheduler={"max_num_seqs": args.requests}, backends={"hf": {"num_threads": args.threads}}) as llm:
+            await asyncio.wait_for(in_process_round(llm, warm, 2), timeout)
+            local: list[dict[str, Any]] = []
+            served: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
+            for r in range(args.rounds):
+                prompts = workload(args.requests, seed=r)
+                for kind in kinds:
+                    before = process_cpu(proc.pid)
+                    served[kind].append(await asyncio.wait_for(server_round(client, port, prompts, n, kind), timeout))
+                    served[kind][-1]["cpu"] = process_cpu(proc.pid) - before
+                before = time.process_time()
+                local.append(await asyncio.wait_for(in_process_round(llm, prompts, n), timeout))
+                local[-1]["cpu"] = time.process_time() - before
+                ratios = "  ".join(f"{k}/in-process {served[k][-1]['tok/s'] / local[-1]['tok/s']:.3f}" for k in kinds)
+                print(f"round {r + 1}/{args.rounds}: in-process {local[-1]['tok/s']:.1f} tok/s ({local[-1]['cpu']:.1f} CPU s), "
+                      + ", ".join(f"server ({k}) {served[k][-1]['tok/s']:.1f} ({served[k][-1]['cpu']:.1f} CPU s, "
+                                  f"{served[k][-1]['chunks']} chunks)" for k in kinds) + f"; {ratios}", flush=True)
+        return local, served
     finally:
-        proc.terminate()
-        proc.wait(60)
+        stop(proc)
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process ``pid`` has spent so far (Linux /proc; nan elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return float("nan")
+    fields = stat[stat.rfind(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round with the median throughput (the lower middle one for an even count)."""
+    ordered = sorted(rounds, key=lambda x: x["tok/s"])
+    return ordered[(len(ordered) - 1) // 2]
 
 
 # -- --backend vllm: lmdock serve (lmdock-vllm) against vLLM's own OpenAI server ---------------------
@@ -367,11 +422,16 @@ def main() -> None:
                     help="hf: lmdock serve against the in-process LLM; vllm: lmdock serve (lmdock-vllm) against vLLM's own server")
     ap.add_argument("--model", help="vllm: the model folder (default: the ~100M random Llama)")
     ap.add_argument("--kv-space", type=float, default=2, help="vllm: VLLM_CPU_KVCACHE_SPACE in GiB, both servers (unless set)")
-    ap.add_argument("--start-timeout", type=float, default=900, help="vllm: seconds a server may take to start")
-    ap.add_argument("--timeout", type=float, default=1200, help="vllm: seconds the warm-up, and each timed round, may take")
-    ap.add_argument("--rounds", type=int, default=3, help="vllm: timed rounds per server (the best is reported)")
+    ap.add_argument("--start-timeout", type=float, default=900, help="seconds a server may take to start")
+    ap.add_argument("--timeout", type=float, default=1200, help="seconds the warm-up, and each timed round, may take")
+    ap.add_argument("--rounds", type=int, help="hf: paired rounds, interleaved (default 7, at least 7); "
+                    "vllm: timed rounds per server, the best reported (default 3)")
     ap.add_argument("--first", choices=["lmdock", "vllm"], default="lmdock", help="vllm: which server runs first")
     args = ap.parse_args()
+    if args.rounds is None:
+        args.rounds = 3 if args.backend == "vllm" else 7
+    if args.backend == "hf" and args.rounds < 7:
+        ap.error("--rounds: the paired hf comparison needs at least 7 rounds for its median and spread")
     if args.backend == "vllm":
         args.load_at_start = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
         main_vllm(args)
@@ -380,19 +440,30 @@ def main() -> None:
     from _common import machine, random_llama, table
 
     path = str(random_llama())
-    prompts = workload(args.requests)
-    a = asyncio.run(in_process(path, prompts, args.tokens, args.threads))
     kinds = ["openai", "raw"] if args.client == "both" else [args.client]
-    served = [asyncio.run(through_server(path, prompts, args.tokens, args.threads, kind)) for kind in kinds]
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
+    local, served = asyncio.run(paired(path, args, kinds))
     rows = [(r["run"], f"{r['req/s']:.2f}", f"{r['tok/s']:.1f}", f"{r['ttft50']:.0f}", f"{r['ttft99']:.0f}",
-             f"{r['itl50']:.1f}", f"{r['itl99']:.1f}") for r in (a, *served)]
+             f"{r['itl50']:.1f}", f"{r['itl99']:.1f}") for r in (median_round(local), *(median_round(served[k]) for k in kinds))]
     print(f"model: random Llama ~100M, float32, hf backend; {args.requests} concurrent streams, "
           f"{args.tokens} output tokens each, torch threads {args.threads}")
-    print(f"machine: {machine()}")
+    print(f"machine: {machine()}; load average at start: {load}")
+    print(f"{args.rounds} paired rounds, interleaved (server, in-process, server, ...); each side's median round:")
     print(table(rows, ("run", "req/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms")))
-    for kind, b in zip(kinds, served):
-        print(f"server ({kind} client) / in-process throughput: {b['tok/s'] / a['tok/s']:.3f} (target >= 0.95)")
-
+    for kind in kinds:
+        # CPU time is what a loaded machine disturbs least: the server process's CPU in a round (its
+        # engine thread and its HTTP work) less the in-process LLM's in the paired round (the same
+        # engine work, and a consumer reading its snapshots), per chunk the server sent.
+        costs = [(s["cpu"] - a["cpu"]) / (s["chunks"] or 1) * 1e6 for s, a in zip(served[kind], local)]
+        print(f"server ({kind} client) CPU per streamed chunk above the in-process LLM's, {len(costs)} paired rounds: "
+              f"median {statistics.median(costs):.0f} us, spread {min(costs):.0f}-{max(costs):.0f} us "
+              f"(server CPU s per round: median {statistics.median(s['cpu'] for s in served[kind]):.1f}, in-process "
+              f"{statistics.median(a['cpu'] for a in local):.1f}; chunks per round: median {statistics.median(s['chunks'] for s in served[kind]):.0f})")
+        ratios = [s["tok/s"] / a["tok/s"] for s, a in zip(served[kind], local)]
+        med = statistics.median(ratios)
+        print(f"server ({kind} client) / in-process throughput, {len(ratios)} paired rounds: median {med:.3f}, "
+              f"spread {min(ratios):.3f}-{max(ratios):.3f}, >= 0.95 in {sum(x >= 0.95 for x in ratios)} of {len(ratios)} "
+              f"(target: median >= 0.95, {'met' if med >= 0.95 else 'NOT met'})")
 
 if __name__ == "__main__":
     main()

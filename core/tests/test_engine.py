@@ -420,3 +420,27 @@ def test_structured_output_is_refused_where_the_backend_cannot_constrain(fake: F
 def _idle(stats: dict) -> bool:
     """Nothing running or waiting, and the backend holds no sequence."""
     return (stats["num_sequences_running"], stats["num_sequences_waiting"], stats["num_sequences_held"]) == (0, 0, 0)
+
+
+def test_sampling_params_and_make_request_are_what_generate_runs(fake: FakePlugin) -> None:
+    """The public calls a front end (lmdock serve, lmdock batch) builds requests with."""
+    from lmdock import ConfigError
+    from lmdock._sinks import QueueSink
+
+    with LLM("m", backend="fake") as llm:
+        params = llm.sampling_params({"max_new_tokens": 5, "temperature": 0, "ignore_eos": True})
+        assert params == llm.get_default_sampling_params().replace(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+        assert llm.sampling_params(None) == llm.get_default_sampling_params() and llm.sampling_params(GREEDY) is GREEDY
+        with pytest.raises(ConfigError, match="temperature"):
+            llm.sampling_params({"temperature": -1})
+        request = llm.make_request("abc", params, stream=True)
+        assert request.stream and request.params == params and request.prompt == "abc"
+        assert llm.make_request("abc", params, add_special_tokens=False).prompt_token_ids != request.prompt_token_ids
+        with pytest.raises(RequestError, match="empty"):
+            llm.make_request("", params)
+        sink = QueueSink()
+        llm.engine.submit(request, sink)
+        outs = []
+        while not outs or not outs[-1].finished:
+            outs.append(sink.queue.get(timeout=30))
+        assert outs[-1].outputs[0].token_ids == llm.generate("abc", params)[0].outputs[0].token_ids

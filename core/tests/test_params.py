@@ -79,3 +79,15 @@ def test_structured_output_takes_exactly_one_constraint() -> None:
         StructuredOutput(json={"type": "object"}, regex="a+")
     with pytest.raises(ValueError, match="got none"):
         StructuredOutput()
+
+
+def test_openais_field_names_are_one_table_behind_samplingparams_aliases() -> None:
+    import dataclasses
+
+    from lmdock._params import OPENAI_FIELDS
+
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert set(OPENAI_FIELDS.values()) <= fields
+    aliases = SamplingParams.ALIASES  # type: ignore[attr-defined]
+    assert all(aliases[name] == field for name, field in OPENAI_FIELDS.items() if name != field)
+    assert SamplingParams(max_tokens=3, min_tokens=1).max_new_tokens == 3

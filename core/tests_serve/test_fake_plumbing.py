@@ -51,7 +51,7 @@ class FakePoolingLLM:
         return [SimpleNamespace(outputs=SimpleNamespace(score=1.0 / (1 + abs(len(a) - len(b)))), prompt_token_ids=[0] * (len(a) + len(b)))
                 for a, b in pairs]
 
-    def _params(self, overrides: Any) -> Any:
+    def sampling_params(self, overrides: Any) -> Any:
         raise RuntimeError("boom: an unexpected failure inside the fake")
 
 
@@ -126,18 +126,57 @@ class FakeStreamingEngine:
 def test_snapshots_waiting_together_go_out_as_one() -> None:
     import asyncio
 
-    from lmdock.server._app import _engine_stream, _State
     from lmdock.server._metrics import Metrics
+    from lmdock.server._state import ServerState
+    from lmdock.server._streaming import engine_stream
 
     engine = FakeStreamingEngine()
-    llm = SimpleNamespace(engine=engine, _request=lambda prompt, params, stream, add_special_tokens: SimpleNamespace(request_id="r1"))
-    state = _State(models={}, settings=ServerConfig(), api_key=None, metrics=Metrics(lambda: {}))
+    llm = SimpleNamespace(engine=engine, make_request=lambda prompt, params, stream, add_special_tokens: SimpleNamespace(request_id="r1"))
+    state = ServerState(models={}, settings=ServerConfig(), api_key=None, metrics=Metrics(lambda: {}))
 
     async def run() -> list[Any]:
-        return [out async for out in _engine_stream(state, SimpleNamespace(llm=llm, name="fake"), "p", None)]
+        return [out async for out in engine_stream(state, SimpleNamespace(llm=llm, name="fake"), "p", None)]
 
     outs = asyncio.run(run())
     # all five were queued before the first was taken: the newest (finished) one is the only one sent
     assert [len(o.outputs[0].token_ids) for o in outs] == [5] and outs[0].finished
     assert engine.aborted == []  # it finished: nothing to abort
     assert state.metrics.generation_tokens.labels("fake")._value.get() == 5  # every token counted
+
+
+# -- unknown fields: refused with a 400 naming them, as `lmdock batch` refuses them ----------------
+
+
+@pytest.mark.parametrize(("route", "body", "param", "hint"), [
+    ("/v1/completions", {"prompt": "hi", "max_token": 5}, "max_token", "did you mean 'max_tokens'?"),
+    ("/v1/chat/completions", {"messages": [], "temprature": 0}, "temprature", "did you mean 'temperature'?"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"include_usag": True}},
+     "stream_options.include_usag", "did you mean 'include_usage'?"),
+    ("/v1/chat/completions", {"messages": [], "logit_bias": {"5": 10}}, "logit_bias", "this request's fields: "),
+    ("/v1/embeddings", {"input": "abc", "encoding": "base64"}, "encoding", "did you mean 'encoding_format'?"),
+    ("/tokenize", {"prompt": "abc", "add_special_token": False}, "add_special_token", "did you mean 'add_special_tokens'?"),
+])
+def test_an_unknown_field_is_400_naming_it(route: str, body: dict[str, Any], param: str, hint: str) -> None:
+    c, llm = _client({"embed"})
+    r = c.post(route, json=body)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["param"] == param and f"unknown field {param.rsplit('.', 1)[-1]!r}" in err["message"] and hint in err["message"]
+    assert llm.calls == []  # refused before the model saw anything
+
+
+def test_an_unknown_field_sent_as_null_asks_for_nothing() -> None:
+    c, llm = _client({"embed"})
+    r = c.post("/v1/embeddings", json={"input": "abc", "logit_bias": None})
+    assert r.status_code == 200 and llm.calls[-1][1] == ["abc"]
+
+
+def test_the_servers_sampling_fields_are_the_one_table() -> None:
+    from lmdock._params import OPENAI_FIELDS
+    from lmdock.server._protocol import ChatRequest, CompletionRequest
+
+    for cls in (CompletionRequest, ChatRequest):
+        assert set(OPENAI_FIELDS) <= set(cls.model_fields), cls.__name__
+    body = CompletionRequest(prompt="x", max_tokens=3, max_completion_tokens=5, min_tokens=1, stop="a", top_k=2)
+    assert body.overrides() == {"n": 1, "max_new_tokens": 5, "min_new_tokens": 1, "stop": ["a"], "top_k": 2}

@@ -221,3 +221,14 @@ def test_response_format_constrains_the_reply(server: Server) -> None:
     assert choice.finish_reason == "stop", choice
     data = json.loads(choice.message.content)
     assert data["animal"] in ("cat", "dog") and 0 <= data["legs"] <= 8
+
+
+def test_an_unknown_field_from_the_openai_client_is_400_naming_it(server: Server) -> None:
+    with pytest.raises(openai.BadRequestError) as exc:
+        client(server).completions.create(model="stories", prompt="hi", max_tokens=2, extra_body={"ignore_eso": True})
+    err = _shape(exc.value.response.json())
+    assert err["param"] == "ignore_eso" and "did you mean 'ignore_eos'?" in err["message"]
+    with pytest.raises(openai.BadRequestError) as exc:  # OpenAI's own field lmdock does not honour: refused, not dropped
+        client(server).chat.completions.create(model="stories", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                               logit_bias={"5": 10})
+    assert _shape(exc.value.response.json())["param"] == "logit_bias"

@@ -67,3 +67,13 @@ def test_every_engine_module_is_in_the_engine_guide() -> None:
     assert not missing, f"docs/engine.md: add a row for each module of lmdock/_engine/ and its concern: {missing}"
     stale = sorted(set(rows) - modules)
     assert not stale, f"docs/engine.md names modules that lmdock/_engine/ no longer has: {stale}"
+
+
+def test_every_server_module_is_in_the_servers_code_map() -> None:
+    """docs/server.md's code map names every module of ``lmdock.server`` (read from the folder: the
+    docs tests run without the server's extra installed)."""
+    text = (ROOT / "docs" / "server.md").read_text()
+    modules = sorted(p.name for p in (ROOT / "core" / "src" / "lmdock" / "server").glob("*.py"))
+    assert "serving_completion.py" in modules
+    missing = [m for m in modules if f"| `{m}` |" not in text]
+    assert not missing, f"docs/server.md's code map lacks {', '.join(missing)}: add a row with its one-line concern"

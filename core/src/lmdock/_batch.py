@@ -19,25 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from lmdock._errors import ConfigError, LmdockError
+from lmdock._params import OPENAI_FIELDS
 from lmdock._progress import Progress
 
-#: OpenAI body fields and the SamplingParams field each one sets.
-_FIELDS = {
-    "max_tokens": "max_new_tokens",
-    "max_completion_tokens": "max_new_tokens",
-    "min_tokens": "min_new_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "n": "n",
-    "stop": "stop",
-    "seed": "seed",
-    "frequency_penalty": "frequency_penalty",
-    "presence_penalty": "presence_penalty",
-    "repetition_penalty": "repetition_penalty",
-    "ignore_eos": "ignore_eos",
-}
 #: Body fields accepted and not used: the model is the command's (-m), the output is never streamed.
 _IGNORED = {"model", "user", "stream"}
 _URLS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
@@ -99,13 +83,13 @@ def sampling_overrides(body: dict[str, Any], kind: str) -> dict[str, Any]:
     for key, value in body.items():
         if key == kind or key in _IGNORED or value is None:
             continue
-        if key not in _FIELDS:
+        if key not in OPENAI_FIELDS:
             import difflib
 
-            close = difflib.get_close_matches(key, list(_FIELDS), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; supported: {', '.join(sorted(_FIELDS))}"
+            close = difflib.get_close_matches(key, list(OPENAI_FIELDS), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; supported: {', '.join(sorted(OPENAI_FIELDS))}"
             raise LineError("invalid_request", f"body field {key!r} is not supported{hint}")
-        out[_FIELDS[key]] = value
+        out[OPENAI_FIELDS[key]] = value
     return out
 
 
@@ -169,7 +153,7 @@ def run_batch(args: argparse.Namespace) -> int:
                     if custom_id in ids_seen:
                         raise LineError("duplicate_custom_id", f"custom_id {custom_id!r} appears twice in the input")
                     ids_seen.add(custom_id)
-                    params = llm._params(sampling_overrides(body, kind))
+                    params = llm.sampling_params(sampling_overrides(body, kind))
                     if kind == "messages":
                         text = llm.render_chat(body["messages"])
                         prompt: Any = llm.tokenizer.encode(text, add_special_tokens=False)

@@ -135,6 +135,13 @@ class LLM:
         except ConfigError:  # a generation_config.json value we cannot honour: keep the file's layer out
             return build(SamplingParams, dict(self.model_config.sampling), source=self.model_config.source, prefix="sampling")
 
+    def sampling_params(self, overrides: ParamsArg = None) -> SamplingParams:
+        """The SamplingParams a call given ``overrides`` runs with: a dict's SamplingParams fields over
+        :meth:`get_default_sampling_params` (a front end maps OpenAI's names first, through
+        ``lmdock._params.OPENAI_FIELDS``); complete SamplingParams as they are; None, the defaults.
+        Raises ConfigError naming the field for a value out of range or an unknown field."""
+        return self._params(overrides)
+
     def _params(self, params: ParamsArg) -> SamplingParams:
         if params is None:
             return self._defaults
@@ -161,6 +168,17 @@ class LLM:
             if not ok:
                 raise RequestError(f"structured_output: backend {self.backend.name!r} cannot constrain its output ({reason}); pick a backend that lists structured_output in `lmdock backends`")
         return EngineRequest(f"req-{next(_ids)}", text, ids, params, stream)
+
+    def make_request(self, prompt: Prompt, sampling_params: ParamsArg = None, *, stream: bool = False,
+                     add_special_tokens: bool = True) -> EngineRequest:
+        """The engine request a call would submit, for a caller that drives :attr:`engine` itself (as
+        ``lmdock serve`` does, to stream many requests on its event loop): ``llm.engine.submit(request,
+        sink)``, then ``llm.engine.abort(request.request_id)`` if it stops listening first.
+
+        The prompt is tokenized (``add_special_tokens``: the tokenizer's BOS and such, off for a
+        rendered chat template that holds them) and checked; ``stream``: the engine sends every
+        snapshot, not only the last.  Raises RequestError or ConfigError as :meth:`generate` would."""
+        return self._request(prompt, self._params(sampling_params), stream, add_special_tokens)
 
     def _tokenizer(self) -> Any:
         if self.tokenizer is None:

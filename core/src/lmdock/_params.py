@@ -160,13 +160,35 @@ class SamplingParams(_Replaceable):
         return self.temperature == 0.0 or self.top_k == 1
 
 
-#: Other tools' names for SamplingParams fields (vLLM, OpenAI, transformers), accepted as those fields
-#: by ``SamplingParams(...)``, config files and call dicts.  vLLM's ``best_of`` is the beam width only
-#: with ``use_beam_search=True``; alone it (best-of-n sampling) is refused with what to use instead.
-SamplingParams.ALIASES = {  # type: ignore[attr-defined]
+#: The one table of OpenAI's request fields (with vLLM's sampling extras) that set a SamplingParams
+#: field, and the field each sets: read by ``lmdock serve``, ``lmdock batch`` and SamplingParams'
+#: aliases.  Where a request gives both ``max_tokens`` and ``max_completion_tokens``, the later wins.
+OPENAI_FIELDS = {
     "max_tokens": "max_new_tokens",
     "max_completion_tokens": "max_new_tokens",
     "min_tokens": "min_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "n": "n",
+    "stop": "stop",
+    "seed": "seed",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "ignore_eos": "ignore_eos",
+    "stop_token_ids": "stop_token_ids",
+    "include_stop_str_in_output": "include_stop_str_in_output",
+    "skip_special_tokens": "skip_special_tokens",
+}
+
+#: Other tools' names for SamplingParams fields (OpenAI's and vLLM's from the table above, then
+#: transformers'), accepted as those fields by ``SamplingParams(...)``, config files and call dicts.
+#: vLLM's ``best_of`` is the beam width only with ``use_beam_search=True``; alone it (best-of-n
+#: sampling) is refused with what to use instead.
+SamplingParams.ALIASES = {  # type: ignore[attr-defined]
+    **{name: field for name, field in OPENAI_FIELDS.items() if name != field},
     "num_beams": "beam_width",
     "num_return_sequences": "n",
     "stop_sequences": "stop",

@@ -1,8 +1,18 @@
-"""OpenAI's error body, ``{"error": {"message", "type", "param", "code"}}``, for every status."""
+"""The one exception mapping: every error becomes OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from lmdock._errors import ConfigError, EngineClosedError, LmdockError, QueueFullError, RequestError, UnsupportedError
+
+log = logging.getLogger("lmdock.server")
 
 _TYPES = {
     400: "invalid_request_error",
@@ -36,3 +46,57 @@ class APIError(Exception):
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error"),
                       "param": param, "code": code if code is not None else str(status)}}
+
+
+def json_error(status: int, message: str, param: str | None = None, code: str | None = None,
+               headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def as_api_error(exc: BaseException, retry_after: int) -> APIError:
+    """The status an exception from the engine or the request's own values stands for."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, QueueFullError):
+        return APIError(429, str(exc), headers={"Retry-After": str(retry_after)})
+    if isinstance(exc, EngineClosedError):
+        return APIError(503, f"the engine is not running: {exc}", headers={"Retry-After": str(retry_after)})
+    if isinstance(exc, (RequestError, ConfigError, UnsupportedError, ValueError)):
+        param = getattr(exc, "key", None)
+        if param and param.startswith("sampling_params."):
+            param = param.split(".", 1)[1]
+        return APIError(400, str(exc), param=param)
+    if isinstance(exc, LmdockError):
+        return APIError(500, str(exc))
+    log.error("request failed", exc_info=exc)
+    return APIError(500, f"internal error ({type(exc).__name__}: {exc})")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every error ``app`` raises with OpenAI's body: ours, validation, HTTP, and the unexpected."""
+
+    @app.exception_handler(APIError)
+    async def _api(_: Request, exc: APIError) -> JSONResponse:
+        return json_error(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            return json_error(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}")
+        if first.get("type") == "unknown_field":  # raised by _protocol's bodies, which name the field themselves
+            return json_error(400, first.get("msg", "unknown field"), ".".join([*loc, first["ctx"]["field"]]))
+        param = ".".join(loc) or None
+        msg = first.get("msg", "invalid request body")
+        return json_error(400, f"{param}: {msg}" if param else msg, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return json_error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _other(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return json_error(500, f"internal error ({type(exc).__name__}); see the server's log")

@@ -1,17 +1,42 @@
-"""Request bodies in OpenAI's shapes (with vLLM's sampling extras), and their mapping to SamplingParams."""
+"""Request bodies in OpenAI's shapes (with vLLM's sampling extras), their mapping to SamplingParams
+through the one table of OpenAI's names (``lmdock._params.OPENAI_FIELDS``), and the usage object.
+
+A field a body does not know is refused with a 400 naming it (and the closest known field), as
+``lmdock batch`` refuses it: lmdock never silently drops what a request asks for.  A field sent as
+``null`` asks for nothing and passes.
+"""
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
+from lmdock._outputs import RequestOutput
+from lmdock._params import OPENAI_FIELDS
 from lmdock.server._errors import APIError
 
 
 class _Body(BaseModel):
-    # Unknown fields are accepted and ignored, as OpenAI's and vLLM's servers do.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="ignore")  # a null unknown field; any other is refused below
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, value in data.items():
+                if value is not None and key not in cls.model_fields:
+                    raise PydanticCustomError("unknown_field", "{message}", {"field": key, "message": unknown_field(key, cls.model_fields)})
+        return data
+
+
+def unknown_field(key: str, known: Any) -> str:
+    """The message refusing ``key``: the closest known field, or the known ones."""
+    close = difflib.get_close_matches(key, list(known), n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"this request's fields: {', '.join(sorted(known))}"
+    return f"unknown field {key!r}: lmdock serve refuses what it would not honour; {hint}"
 
 
 class StreamOptions(_Body):
@@ -42,18 +67,12 @@ class _Sampling(_Body):
     skip_special_tokens: bool | None = None
 
     def overrides(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"n": self.n}
-        names = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "presence_penalty": "presence_penalty",
-                 "frequency_penalty": "frequency_penalty", "top_k": "top_k", "min_p": "min_p",
-                 "repetition_penalty": "repetition_penalty", "min_tokens": "min_new_tokens", "ignore_eos": "ignore_eos",
-                 "stop_token_ids": "stop_token_ids", "include_stop_str_in_output": "include_stop_str_in_output",
-                 "skip_special_tokens": "skip_special_tokens"}
-        for field, key in names.items():
-            value = getattr(self, field)
+        """The SamplingParams fields this body sets (``max_completion_tokens`` wins over ``max_tokens``)."""
+        out: dict[str, Any] = {}
+        for name, key in OPENAI_FIELDS.items():
+            value = getattr(self, name, None)
             if value is not None:
                 out[key] = value
-        if self.max_tokens is not None:
-            out["max_new_tokens"] = self.max_tokens
         if self.stop is not None:
             out["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         return out
@@ -79,8 +98,6 @@ class CompletionRequest(_Sampling):
 
     def overrides(self) -> dict[str, Any]:
         out = super().overrides()
-        if self.max_completion_tokens is not None:
-            out["max_new_tokens"] = self.max_completion_tokens
         if self.logprobs is not None:
             out["logprobs"] = self.logprobs
             if self.echo:
@@ -111,8 +128,6 @@ class ChatRequest(_Sampling):
 
     def overrides(self) -> dict[str, Any]:
         out = super().overrides()
-        if self.max_completion_tokens is not None:
-            out["max_new_tokens"] = self.max_completion_tokens
         if self.logprobs:
             out["logprobs"] = self.top_logprobs or 0
         elif self.top_logprobs:
@@ -163,3 +178,10 @@ class RerankRequest(_Body):
     documents: list[str]
     top_n: int | None = Field(default=None, ge=1)
     return_documents: bool = True
+
+
+def usage(outs: list[RequestOutput | None]) -> dict[str, int]:
+    """OpenAI's ``usage``: prompt and completion tokens of every finished output."""
+    p = sum(len(o.prompt_token_ids) for o in outs if o is not None)
+    c = sum(len(c.token_ids) for o in outs if o is not None for c in o.outputs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}

@@ -17,7 +17,8 @@ import uvicorn
 from lmdock._config import find_config, load_config
 from lmdock._errors import ConfigError
 from lmdock._params import ServerConfig
-from lmdock.server._app import ServedModel, create_app
+from lmdock.server._app import create_app
+from lmdock.server._state import ServedModel
 
 log = logging.getLogger("lmdock.server")
 

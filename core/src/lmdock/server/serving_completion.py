@@ -1,0 +1,101 @@
+"""``POST /v1/completions``: one or several prompts, ``n`` choices each, streamed or not, with echo and logprobs."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from lmdock._outputs import RequestOutput
+from lmdock.server._errors import as_api_error
+from lmdock.server._logprobs import legacy_logprobs
+from lmdock.server._protocol import CompletionRequest, usage
+from lmdock.server._state import state_of
+from lmdock.server._streaming import (
+    Admission,
+    choice_deltas,
+    collect,
+    engine_stream,
+    sse_response,
+    start_all,
+    unless_disconnected,
+)
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    st = state_of(request)
+    retry = st.retry_after
+    sm = st.model(body.model)
+    prompts = body.prompts()
+    params = st.sampling_params(sm, body.overrides())
+    admission = Admission(sm, len(prompts), retry)
+    try:
+        streams = [engine_stream(st, sm, p, params) for p in prompts]
+        # Validate and submit every prompt before answering, so a bad one is a 400, not a broken stream.
+        firsts = await unless_disconnected(request, start_all(streams, retry))
+    except BaseException:
+        admission.release()
+        raise
+    reply = _Reply(body, sm.name, sm.llm.tokenizer, prompts, params.n)
+    if body.stream:
+        return sse_response(request, reply.chunks(streams, firsts), admission, retry)
+    try:
+        outs = await unless_disconnected(request, collect(streams, firsts))
+    except BaseException as exc:
+        raise as_api_error(exc, retry) from None
+    finally:
+        admission.release()
+    return JSONResponse(reply.whole(outs))
+
+
+class _Reply:
+    """The response's shape for one request: its id, the echoed prompts, choices and logprobs."""
+
+    def __init__(self, body: CompletionRequest, model: str, tok: Any, prompts: list[str | list[int]], n: int) -> None:
+        self.body, self.model, self.tok, self.n = body, model, tok, n
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.echo = [(p if isinstance(p, str) else (tok.decode(p) if tok is not None else "")) if body.echo else "" for p in prompts]
+        self.count = len(prompts)
+
+    def _object(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model, "choices": choices, **extra}
+
+    def logprobs(self, i: int, out: RequestOutput, c: Any, start: int, text_start: int) -> dict[str, Any] | None:
+        """Choice ``c``'s logprobs from its token ``start`` on (with the prompt's, when echoed, from 0)."""
+        ids, pos = list(c.token_ids[start:]), list((c.logprobs or [])[start:])
+        if self.body.echo and start == 0:
+            plp = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+            head = legacy_logprobs(self.tok, list(out.prompt_token_ids), list(plp), 0)
+            tail = legacy_logprobs(self.tok, ids, pos, len(self.echo[i]))
+            return {k: head[k] + tail[k] for k in head}
+        return legacy_logprobs(self.tok, ids, pos, text_start)
+
+    def whole(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        want_lp = self.body.logprobs is not None
+        choices = [{"index": i * self.n + c.index, "text": self.echo[i] + c.text,
+                    "logprobs": self.logprobs(i, out, c, 0, len(self.echo[i])) if want_lp else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                   for i, out in enumerate(outs) for c in out.outputs]
+        return self._object(choices, usage=usage(outs))  # type: ignore[arg-type]
+
+    async def chunks(self, streams: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput | None]) -> AsyncIterator[dict[str, Any]]:
+        want_lp = self.body.logprobs is not None
+        last: list[Any] = [None] * self.count
+        async for d in choice_deltas(streams, firsts, last, send_first=True):
+            c, i = d.choice, d.prompt
+            text = self.echo[i] + d.text if d.first else d.text
+            lp = None
+            if want_lp and (d.first or len(c.token_ids) > d.token_start):
+                lp = self.logprobs(i, d.out, c, d.token_start, len(self.echo[i]) + d.text_start)
+            yield self._object([{"index": i * self.n + c.index, "text": text, "logprobs": lp,
+                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+        if self.body.stream_options and self.body.stream_options.include_usage:
+            yield self._object([], usage=usage(last))

@@ -1,0 +1,40 @@
+"""For operators: ``/health`` (503 naming a dead engine), ``/metrics`` (Prometheus) and ``/stats`` (engine counts, queue places)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from lmdock._errors import LmdockError
+from lmdock.server._errors import json_error
+from lmdock.server._metrics import CONTENT_TYPE
+from lmdock.server._state import engine_stats, state_of
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    st = state_of(request)
+    dead = []
+    for name, sm in st.models.items():
+        try:
+            sm.llm.engine  # noqa: B018 - raises when shut down
+        except LmdockError as exc:
+            dead.append(f"{name}: {exc}")
+    if dead:
+        return json_error(503, "; ".join(dead), headers={"Retry-After": str(st.retry_after)})
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/metrics")
+async def prometheus(request: Request) -> Response:
+    return Response(state_of(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/stats")
+async def stats(request: Request) -> dict[str, Any]:
+    return {name: {**engine_stats(sm), "in_flight": sm.in_flight, "max_queue": sm.max_queue}
+            for name, sm in state_of(request).models.items()}
