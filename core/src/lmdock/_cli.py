@@ -51,7 +51,7 @@ def _interrupted(hard: bool) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the shutdown
     llm_module = sys.modules.get("lmdock._llm")
     if llm_module is not None:
-        llm_module._shutdown_all()
+        llm_module.shutdown_all()
     if not hard:
         return 130
     for stream in (sys.stdout, sys.stderr):
@@ -257,7 +257,7 @@ def _version() -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     with _llm(args) as llm:
-        params = llm._params(_overrides(args))
+        params = llm.sampling_params(_overrides(args))
         labelled = len(args.prompts) > 1 or params.n > 1
         if args.stream:
             printer = _StreamPrinter(labelled, args.json, len(args.prompts), params.n)
@@ -386,7 +386,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             from lmdock._errors import RequestError
 
             raise RequestError(NO_TEMPLATE.format(model=llm.model_config.model))
-        params = llm._params(_overrides(args))
+        params = llm.sampling_params(_overrides(args))
         messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
         if args.message is not None:
             messages.append({"role": "user", "content": args.message})

@@ -40,7 +40,8 @@ _live: weakref.WeakSet[LLM] = weakref.WeakSet()
 
 
 @atexit.register
-def _shutdown_all() -> None:
+def shutdown_all() -> None:
+    """Shut every live LLM down (at interpreter exit; the CLI on Ctrl-C)."""
     for llm in list(_live):
         try:
             llm.shutdown()
