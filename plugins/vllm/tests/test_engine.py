@@ -54,6 +54,20 @@ def test_config_reaches_the_engine(llm: LLM) -> None:
     assert llm.engine.max_seq_len == 512
 
 
+def test_the_vllm_internals_read_through_getattr_are_there(llm: LLM) -> None:
+    """lmdock-vllm reads these with getattr and a default, so a rename in vLLM would pass silently:
+    LLMEngine.logger_manager.stat_loggers (ours alone is kept: vLLM's throughput log and Prometheus
+    gauges are dropped), LLMEngine.engine_core.shutdown, IterationStats.num_preempted_reqs."""
+    from vllm.v1.metrics.stats import IterationStats
+
+    engine = llm.engine._engine
+    loggers = engine.logger_manager.stat_loggers
+    assert len(loggers) == 1
+    assert [type(x).__name__ for x in loggers[0].per_engine_stat_loggers.values()] == ["Recorder"]
+    assert callable(engine.engine_core.shutdown)
+    assert hasattr(IterationStats(), "num_preempted_reqs")
+
+
 def test_greedy_reference_through_the_plugin(llm: LLM) -> None:
     out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_new_tokens=40))[0].outputs[0]
     assert out.token_ids == GREEDY_40 and out.finish_reason == "length"

@@ -219,7 +219,7 @@ def test_beam_search_abort_and_n(llm: LLM) -> None:
     time.sleep(0.5)
     llm.engine.abort("beam-abort")
     assert sink.done.wait(60) and sink.outputs[-1].finished
-    assert llm.engine._beam_rows == {} and llm.engine.stats()["num_sequences_held"] == 0
+    assert llm.engine._beams.rows == {} and llm.engine.stats()["num_sequences_held"] == 0
 
 
 # -- closing, in every order ----------------------------------------------------------------------

@@ -16,12 +16,14 @@ the prompts of one ``embed`` call run in the same vLLM steps.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from lmdock import BackendError, ModelConfig, UnsupportedError
 from lmdock.backend import PoolingInput, pool_hidden
+
+from lmdock_vllm._build import check_torch_companions, shutdown
 
 
 class VllmPoolingEngine:
@@ -40,9 +42,7 @@ class VllmPoolingEngine:
     @classmethod
     def load(cls, mc: ModelConfig, engine_kwargs: dict[str, Any], st: dict[str, Any]) -> VllmPoolingEngine:
         """``st``: ``lmdock.backend.read_pooling_config(mc.model)``."""
-        from lmdock_vllm._engine import _check_torch_companions
-
-        _check_torch_companions()
+        check_torch_companions()
         from transformers import AutoTokenizer
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -60,7 +60,7 @@ class VllmPoolingEngine:
         task = st["task"]
         hf_config = engine.model_config.hf_config
         if task == "classify" and getattr(hf_config, "num_labels", 1) != 1:
-            _shutdown(engine)
+            shutdown(engine)
             raise UnsupportedError(f"{mc.model!r} is a classifier with {hf_config.num_labels} labels; LLM.score needs a "
                                    "cross-encoder with one label")
         hidden = int(hf_config.hidden_size) if task == "embed" else 1
@@ -98,7 +98,7 @@ class VllmPoolingEngine:
     def close(self) -> None:
         engine, self._engine = self._engine, None
         if engine is not None:
-            _shutdown(engine)
+            shutdown(engine)
 
 
 #: EngineArgs of the generate runner that mean nothing to the pooling runner.
@@ -118,9 +118,3 @@ def _segments(types: Sequence[int] | None) -> dict[str, int] | None:
 
 def _numpy(data: Any) -> np.ndarray:
     return np.asarray(data.float().numpy() if hasattr(data, "numpy") else data, dtype=np.float32)
-
-
-def _shutdown(engine: Any) -> None:
-    shutdown: Callable[[], None] | None = getattr(getattr(engine, "engine_core", None), "shutdown", None)
-    if shutdown is not None:
-        shutdown()

