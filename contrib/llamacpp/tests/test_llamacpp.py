@@ -31,10 +31,10 @@ def make_engine(model: Path | str = GGUF, options: LlamaCppOptions | None = None
     from lmdock_llamacpp._engine import load
 
     mc = ModelConfig(model=str(model), backend="llamacpp", **config)
-    build = lmdock_llamacpp.lmdock_translate_build_config(backend="llamacpp", model_config=mc)
+    build = lmdock_llamacpp.plugin.lmdock_translate_build_config(backend="llamacpp", model_config=mc)
     quant = None
     if mc.quantization.enabled:
-        quant = lmdock_llamacpp.lmdock_translate_quantization(backend="llamacpp", quant=mc.quantization, model_config=mc)
+        quant = lmdock_llamacpp.plugin.lmdock_translate_quantization(backend="llamacpp", quant=mc.quantization, model_config=mc)
     return load(mc, options or LlamaCppOptions(), quant, build)
 
 
@@ -211,7 +211,7 @@ def test_configs_it_cannot_honour_are_refused() -> None:
         make_engine(build=BuildConfig(dtype="float16"))
     with pytest.raises(UnsupportedError, match="fp8"):
         make_engine(kv_cache=KvCacheConfig(dtype="fp8"))
-    with pytest.raises(UnsupportedError, match="tensor/pipeline"):
+    with pytest.raises(UnsupportedError, match="tensor_parallel_size"):
         make_engine(build=BuildConfig(tensor_parallel_size=2))
     with pytest.raises(UnsupportedError, match="offload"):
         LLM(str(GGUF), backend="llamacpp", offload={"weights_gpu_percent": 0, "weights_cpu_percent": 100})

@@ -26,10 +26,13 @@ import numpy as np
 from lmdock import BackendError, ModelConfig, UnsupportedError
 from lmdock.backend import SeqChunk, StepOutput
 
-_GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30}
-_FLASH = {"auto": -1, "off": 0, "on": 1}
-#: llama.cpp's file types that are not quantized (LLAMA_FTYPE_ALL_F32, MOSTLY_F16, MOSTLY_BF16)
-_FLOAT_FTYPES = {0: "F32", 1: "F16", 32: "BF16"}
+# llama.cpp's enums as llama-cpp-python exports them (its own copies of ggml.h / llama.h, which move
+# with each release), never numbers copied here; GGML_TYPE_BF16 is the one it does not export (issue 26)
+_GGML_TYPES = {name: getattr(lc, f"GGML_TYPE_{name.upper()}", None) for name in
+               ("f32", "f16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl")} | {"bf16": getattr(lc, "GGML_TYPE_BF16", 30)}
+_FLASH = {"auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED, "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED}
+#: llama.cpp's file types that are not quantized
+_FLOAT_FTYPES = {lc.LLAMA_FTYPE_ALL_F32: "F32", lc.LLAMA_FTYPE_MOSTLY_F16: "F16", lc.LLAMA_FTYPE_MOSTLY_BF16: "BF16"}
 _SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 
 _backend_ready = False
@@ -107,6 +110,22 @@ def load(mc: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]
         lc.llama_model_free(model)
         raise
     return engine
+
+
+def _set(params: Any, **fields: Any) -> None:
+    """Set fields of a llama.cpp parameter struct by name, refusing a name the installed
+    llama-cpp-python's struct lacks: ctypes would take it as a plain attribute that llama.cpp never
+    reads, so a field renamed upstream would silently do nothing (issue 26)."""
+    known = {f[0] for f in type(params)._fields_}
+    for name, value in fields.items():
+        if name not in known:
+            raise BackendError(
+                f"llama-cpp-python {lc.__version__} has no {type(params).__name__}.{name}, which lmdock-llamacpp sets; "
+                "install a llama-cpp-python inside the range lmdock-llamacpp declares (`lmdock backends` shows it)"
+            )
+        if value is None:
+            raise BackendError(f"llama-cpp-python {lc.__version__} does not export the value lmdock-llamacpp sets for {name}")
+        setattr(params, name, value)
 
 
 def _ftype(model: Any) -> int:
@@ -205,23 +224,28 @@ class LlamaCppStepEngine:
     def _context(self, options: Any, build: dict[str, Any]) -> Any:
         cp = lc.llama_context_default_params()
         train = lc.llama_model_n_ctx_train(self.model)
-        cp.n_ctx = options.n_ctx or build.get("kv_max_tokens") or min(build.get("max_seq_len") or train, train)
-        cp.n_batch = options.n_batch or build.get("max_num_batched_tokens") or 2048
-        cp.n_ubatch = options.n_ubatch or min(cp.n_batch, 512)
+        n_batch = options.n_batch or build.get("max_num_batched_tokens") or 2048
         limit = lc.llama_max_parallel_sequences()
         self.n_seq_max = options.n_seq_max or min(limit, (build.get("max_num_seqs") or 32) + 32)
-        cp.n_seq_max = self.n_seq_max
-        cp.kv_unified = True
         threads = options.n_threads or physical_cores()
-        cp.n_threads = threads
-        cp.n_threads_batch = options.n_threads_batch or threads
         float_file = self.file_type == "F32"
         kv = build.get("kv_type") or ("f32" if float_file else "f16")
         type_k, type_v = options.type_k or kv, options.type_v or kv
-        cp.type_k, cp.type_v = _GGML_TYPES[type_k], _GGML_TYPES[type_v]
         flash = options.flash_attn or ("off" if type_k == type_v == "f32" else "auto")
-        cp.flash_attn_type = _FLASH[flash]
-        cp.no_perf = True
+        _set(
+            cp,
+            n_ctx=options.n_ctx or build.get("kv_max_tokens") or min(build.get("max_seq_len") or train, train),
+            n_batch=n_batch,
+            n_ubatch=options.n_ubatch or min(n_batch, 512),
+            n_seq_max=self.n_seq_max,
+            kv_unified=True,  # one KV pool for every sequence (see the module's docstring)
+            n_threads=threads,
+            n_threads_batch=options.n_threads_batch or threads,
+            type_k=_GGML_TYPES[type_k],
+            type_v=_GGML_TYPES[type_v],
+            flash_attn_type=_FLASH[flash],
+            no_perf=True,
+        )
         ctx = lc.llama_init_from_model(self.model, cp)
         if not ctx:
             raise BackendError(f"llama.cpp could not create a context for {self.path.name} (n_ctx={cp.n_ctx}, "
