@@ -121,10 +121,10 @@ def _load(model_config: ModelConfig, options: Any, quantization: Any, build: dic
     kwargs = with_options(build["engine_kwargs"], options, (quantization or {}).get("quantization"))
     pooling = read_pooling_config(model_config.model)
     if pooling["task"] is not None:  # an embedding model or a cross-encoder: vLLM's pooling runner
-        from lmdock_vllm._engine import _check_main_guard, _in_process
         from lmdock_vllm._pooling import VllmPoolingEngine
+        from lmdock_vllm._process import check_main_guard, in_process
 
-        _in_process(_check_main_guard(kwargs, options.multiprocessing))
+        in_process(check_main_guard(kwargs, options.multiprocessing))
         return VllmPoolingEngine.load(model_config, kwargs, pooling)
     return VllmEngine.load(model_config, kwargs, multiprocessing=options.multiprocessing, max_logprobs=options.max_logprobs)
 

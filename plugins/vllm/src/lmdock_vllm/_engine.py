@@ -50,9 +50,6 @@ from lmdock_vllm._queries import NextTokenQueries, settle
 from lmdock_vllm._stats import Stats
 from lmdock_vllm._translate import sampling_kwargs
 
-# lmdock_vllm/__init__.py (the pooling path) imports these two from here; they live in _process.py
-_check_main_guard, _in_process = check_main_guard, in_process
-
 _CLOSE = object()
 
 
