@@ -28,7 +28,7 @@ def strict(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A server with an API key (from a file), one request in flight at most and a 4 KiB body limit."""
     tmp = tmp_path_factory.mktemp("strict")
     (tmp / "key").write_text("sekret-key\n", encoding="utf-8")
-    env = {"LMDOCK_API_KEY": ""}
+    env: dict[str, str | None] = {"LMDOCK_API_KEY": None}  # the key comes from the file alone
     s = Server(tmp, f'api_key_file = "{tmp / "key"}"\nmax_queue = 1\nmax_body_bytes = 4096\n', env=env)
     yield s
     s.stop()

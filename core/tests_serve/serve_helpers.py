@@ -33,7 +33,7 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, tmp: Path, server_table: str = "", args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+    def __init__(self, tmp: Path, server_table: str = "", args: tuple[str, ...] = (), env: dict[str, str | None] | None = None,
                  extra_models: str = "") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -48,7 +48,7 @@ class Server:
         exe = Path(sys.executable).with_name("lmdock")
         self.log = open(tmp / "server.log", "w+b")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen([str(exe), "serve", "--config", str(self.config), "--log-level", "warning", *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+                                     stdout=self.log, stderr=subprocess.STDOUT, env={k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None})
         deadline = time.monotonic() + 180
         while True:
             if self.proc.poll() is not None:

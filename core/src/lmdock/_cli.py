@@ -133,7 +133,7 @@ def _parser() -> Parser:
     sv.add_argument("--config", help="config file (default: $LMDOCK_CONFIG, ./lmdock.toml, ~/.config/lmdock/lmdock.toml)")
     sv.add_argument("--backend", help="backend name or 'auto' (overrides the config file)")
     sv.add_argument("--host", help="address to bind (default: [server] host, 127.0.0.1)")
-    sv.add_argument("--port", type=int, help="port (default: [server] port, 8000)")
+    sv.add_argument("--port", type=_port, help="port (default: [server] port, 8000)")
     sv.add_argument("--api-key", help="require this key (default: $LMDOCK_API_KEY, then [server] api_key_file / api_key)")
     sv.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file for /v1/chat/completions")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -149,6 +149,13 @@ def _parser() -> Parser:
     cfg.set_defaults(func=lambda a: cfg.print_help() or 2)
     p.commands = sub.choices
     return p
+
+
+def _port(value: str) -> int:
+    """A TCP port number, 0 to 65535 (0: any free port)."""
+    if not value.isdigit() or int(value) > 65535:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port: give a number from 0 to 65535")
+    return int(value)
 
 
 def _model_args(p: Parser) -> None:

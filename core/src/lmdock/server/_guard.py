@@ -48,7 +48,8 @@ class Guard:
             return None
         auth = headers.get("authorization", "")
         given = auth[7:] if auth[:7].lower() == "bearer " else headers.get("x-api-key", "")
-        if hmac.compare_digest(given.encode(), key.encode()):
+        # ASGI headers are bytes, read here as latin-1: back to those bytes, against the key as UTF-8
+        if hmac.compare_digest(given.encode("latin-1"), key.encode("utf-8")):
             return None
         what = "wrong API key" if given else "missing API key"
         return f"{what}: send 'Authorization: Bearer <key>'"

@@ -24,12 +24,14 @@ log = logging.getLogger("lmdock.server")
 
 
 def resolve_api_key(settings: ServerConfig, cli_key: str | None = None) -> str | None:
-    """``--api-key``, then ``$LMDOCK_API_KEY``, then ``[server] api_key_file``, then ``[server] api_key``."""
-    if cli_key:
-        return cli_key
-    env = os.environ.get("LMDOCK_API_KEY")
-    if env:
-        return env
+    """``--api-key``, then ``$LMDOCK_API_KEY``, then ``[server] api_key_file``, then ``[server] api_key``.
+
+    An empty key from any source is an error: it would have turned authentication off without a word."""
+    for value, where in ((cli_key, "--api-key"), (os.environ.get("LMDOCK_API_KEY"), "$LMDOCK_API_KEY")):
+        if value is not None:
+            if not value.strip():
+                raise ConfigError(f"{where} is empty: give a key, or leave {where} out to serve without one")
+            return value
     if settings.api_key_file:
         try:
             key = Path(settings.api_key_file).expanduser().read_text(encoding="utf-8").strip().splitlines()
@@ -39,6 +41,18 @@ def resolve_api_key(settings: ServerConfig, cli_key: str | None = None) -> str |
             raise ConfigError("the API key file is empty", source=settings.api_key_file, key="server.api_key_file")
         return key[0].strip()
     return settings.api_key
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` only takes connections from this machine."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class _Server(uvicorn.Server):
@@ -120,6 +134,10 @@ def serve(
             lifespan="off",
         )
         server = _Server(uconfig, app.state.lmdock)
+        if key is None and not is_loopback(uconfig.host):
+            print(f"lmdock serve: warning: listening on {uconfig.host} without an API key: anyone who can reach this "
+                  "port can use the models; set --api-key, $LMDOCK_API_KEY or [server] api_key_file",
+                  file=sys.stderr, flush=True)
         shown = ", ".join(f"{sm.name} ({sm.llm.backend.name})" for sm in served)
         print(f"lmdock serve: {shown} on http://{uconfig.host}:{uconfig.port}/v1"
               f"{' (API key required)' if key else ''}", file=sys.stderr, flush=True)

@@ -15,8 +15,10 @@ from lmdock.server._state import engine_stats, state_of
 router = APIRouter()
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])
 async def health(request: Request) -> Response:
+    """200 when every served engine takes requests; 503 naming each that does not (shut down, or
+    declared dead after failing steps in a row: restart the server)."""
     st = state_of(request)
     dead = []
     for name, sm in st.models.items():
@@ -24,6 +26,9 @@ async def health(request: Request) -> Response:
             sm.llm.engine  # noqa: B018 - raises when shut down
         except LmdockError as exc:
             dead.append(f"{name}: {exc}")
+            continue
+        if engine_stats(sm).get("dead"):
+            dead.append(f"{name}: the engine failed its steps repeatedly and was declared dead; restart the server")
     if dead:
         return json_error(503, "; ".join(dead), headers={"Retry-After": str(st.retry_after)})
     return JSONResponse({"status": "ok"})
