@@ -120,3 +120,58 @@ def test_a_port_out_of_range_is_refused_before_anything_binds(port: str, capsys:
         main(["serve", "--port", port])
     assert exc.value.code == 2
     assert "is not a port: give a number from 0 to 65535" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param", "says"),
+    [
+        ("/v1/completions", {"prompt": "ab", "n": 200, "max_tokens": 1}, "n", "n=200: this server returns at most 128"),
+        ("/v1/completions", {"prompt": "ab", "logprobs": 512, "max_tokens": 1}, "logprobs", "512 logprobs per token asked for"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}], "logprobs": True, "top_logprobs": 21, "max_tokens": 1},
+         "logprobs", "at most 20"),
+        ("/v1/completions", {"prompt": "ab", "stop": [f"s{i}" for i in range(65)], "max_tokens": 1}, "stop", "65 stop strings"),
+        ("/v1/completions", {"prompt": "ab", "stop": ["x" * 1025], "max_tokens": 1}, "stop", "1025 characters"),
+        ("/v1/completions", {"prompt": ["ab"] * 50, "n": 2, "max_tokens": 1}, None, "adds 100 sequences"),
+    ],
+)
+def test_work_past_the_servers_bounds_is_a_400_naming_the_limit(registry: None, route: str, body: dict[str, Any],
+                                                                 param: str | None, says: str) -> None:
+    llm = _llm(FakeStepEngine)
+    try:
+        app = create_app([ServedModel("stories", llm, 64, "{% for m in messages %}{{ m['content'] }}{% endfor %}")], ServerConfig())
+        client = TestClient(app)
+        r = client.post(route, json={"model": "stories", **body})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert says in error["message"] and error["param"] == param
+        ok = client.post("/v1/completions", json={"model": "stories", "prompt": "ab", "n": 2, "logprobs": 20, "max_tokens": 2})
+        assert ok.status_code == 200  # the server and the engine carry on
+        assert app.state.lmdock.models["stories"].in_flight == 0
+    finally:
+        llm.shutdown()
+
+
+def test_admission_counts_a_requests_sequences(registry: None) -> None:
+    """A request takes one queue place per sequence it adds: with 4 places, n=3 fits and n=5 cannot."""
+    llm = _llm(FakeStepEngine)
+    try:
+        app = create_app([ServedModel("stories", llm, 4)], ServerConfig())
+        client = TestClient(app)
+        assert client.post("/v1/completions", json={"prompt": "ab", "n": 3, "max_tokens": 1}).status_code == 200
+        r = client.post("/v1/completions", json={"prompt": ["ab", "cd"], "n": 3, "max_tokens": 1})
+        assert r.status_code == 400 and "adds 6 sequences" in r.json()["error"]["message"]
+        sm = app.state.lmdock.models["stories"]
+        sm.in_flight = 2  # two sequences of other requests in flight
+        r = client.post("/v1/completions", json={"prompt": "ab", "n": 3, "max_tokens": 1})
+        assert r.status_code == 429 and r.headers["retry-after"]
+        sm.in_flight = 0
+    finally:
+        llm.shutdown()
+
+
+def test_server_bounds_are_validated() -> None:
+    with pytest.raises(ValueError, match="max_n"):
+        ServerConfig(max_n=0)
+    with pytest.raises(ValueError, match="max_logprobs"):
+        ServerConfig(max_logprobs=-1)
+    assert ServerConfig(max_logprobs=0).max_logprobs == 0

@@ -371,8 +371,10 @@ class ServerConfig(_Replaceable):
 
     The API key comes from ``--api-key``, else ``$LMDOCK_API_KEY``, else ``api_key_file`` (its first
     line), else ``api_key`` (write ``"${env.VAR}"`` rather than the key itself); with none, no key is
-    asked for.  ``max_queue`` bounds each model's requests in flight (running and waiting); by default
-    it is the model's ``scheduler.max_num_seqs + scheduler.max_waiting``.
+    asked for.  ``max_queue`` bounds each model's sequences in flight (running and waiting; a request
+    counts its prompts x ``n`` (or beams)); by default it is the model's ``scheduler.max_num_seqs +
+    scheduler.max_waiting``.  ``max_n``, ``max_logprobs`` (vLLM's default, and OpenAI's top_logprobs
+    bound), ``max_stop_strings`` and ``max_stop_length`` bound the work one request may ask for.
     """
 
     host: str = "127.0.0.1"
@@ -385,9 +387,16 @@ class ServerConfig(_Replaceable):
     cors_origins: tuple[str, ...] = ()
     shutdown_timeout: float = 30.0
     chat_template: str | None = None
+    max_n: int = 128
+    max_logprobs: int = 20
+    max_stop_strings: int = 64
+    max_stop_length: int = 1024
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins or ()))
+        for name in ("max_n", "max_stop_strings", "max_stop_length"):
+            _int(name, getattr(self, name), 1, optional=False)
+        _int("max_logprobs", self.max_logprobs, 0, optional=False)
         check(bool(self.host), "host", "must be a host name or address, such as '127.0.0.1'")
         _int("port", self.port, 0, optional=False)
         check(self.port <= 65535, "port", f"must be <= 65535, got {self.port}")

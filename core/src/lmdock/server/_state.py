@@ -51,11 +51,30 @@ class ServerState:
         return sm
 
     def sampling_params(self, sm: ServedModel, overrides: dict[str, Any]) -> Any:
-        """``sm``'s default SamplingParams with a request's overrides; a bad value is a 400 naming it."""
+        """``sm``'s default SamplingParams with a request's overrides; a bad value, or more work than
+        ``[server]`` lets one request ask for, is a 400 naming the field and the limit."""
         try:
-            return sm.llm.sampling_params(overrides)
+            params = sm.llm.sampling_params(overrides)
         except (ConfigError, ValueError) as exc:
             raise as_api_error(exc, self.retry_after) from None
+        self._check_bounds(params)
+        return params
+
+    def _check_bounds(self, params: Any) -> None:
+        s = self.settings
+        if params.n > s.max_n:
+            raise APIError(400, f"n={params.n}: this server returns at most {s.max_n} completions per prompt ([server] max_n)", param="n")
+        for value in (params.logprobs, params.prompt_logprobs):
+            if value is not None and value > s.max_logprobs:
+                raise APIError(400, f"{value} logprobs per token asked for: this server returns at most {s.max_logprobs} "
+                                    "(logprobs / top_logprobs; [server] max_logprobs)", param="logprobs")
+        if len(params.stop) > s.max_stop_strings:
+            raise APIError(400, f"{len(params.stop)} stop strings: this server takes at most {s.max_stop_strings} "
+                                "([server] max_stop_strings)", param="stop")
+        longest = max((len(x) for x in params.stop), default=0)
+        if longest > s.max_stop_length:
+            raise APIError(400, f"a stop string of {longest} characters: this server takes at most {s.max_stop_length} "
+                                "([server] max_stop_length)", param="stop")
 
 
 def state_of(request: Request) -> ServerState:

@@ -22,6 +22,7 @@ from lmdock.server._streaming import (
     choice_deltas,
     collect,
     engine_stream,
+    sequences,
     sse_response,
     start_all,
     unless_disconnected,
@@ -37,7 +38,7 @@ async def chat(body: ChatRequest, request: Request) -> Response:
     sm = st.model(body.model)
     params = st.sampling_params(sm, body.overrides())
     prompt = _render(sm, body, retry)
-    admission = Admission(sm, 1, retry)
+    admission = Admission(sm, sequences(1, params), retry)
     try:
         streams = [engine_stream(st, sm, prompt, params, add_special_tokens=False)]
         firsts = await unless_disconnected(request, start_all(streams, retry))

@@ -20,6 +20,7 @@ from lmdock.server._streaming import (
     choice_deltas,
     collect,
     engine_stream,
+    sequences,
     sse_response,
     start_all,
     unless_disconnected,
@@ -35,7 +36,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     sm = st.model(body.model)
     prompts = body.prompts()
     params = st.sampling_params(sm, body.overrides())
-    admission = Admission(sm, len(prompts), retry)
+    admission = Admission(sm, sequences(len(prompts), params), retry)
     try:
         streams = [engine_stream(st, sm, p, params) for p in prompts]
         # Validate and submit every prompt before answering, so a bad one is a 400, not a broken stream.
