@@ -175,3 +175,89 @@ def test_server_bounds_are_validated() -> None:
     with pytest.raises(ValueError, match="max_logprobs"):
         ServerConfig(max_logprobs=-1)
     assert ServerConfig(max_logprobs=0).max_logprobs == 0
+
+
+class JinjaTokenizer:
+    """The FAKE tokenizer rendering templates with jinja2's sandbox, as transformers does."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], chat_template: str | None = None, **kw: Any) -> str:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        return ImmutableSandboxedEnvironment().from_string(chat_template or self.chat_template).render(messages=messages)
+
+
+class JinjaEngine(FakeStepEngine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokenizer = JinjaTokenizer(self.tokenizer)
+
+
+LOOPS = "{% for a in range(100000) %}{% for b in range(100000) %}{% for c in range(100000) %}x{% endfor %}{% endfor %}{% endfor %}"
+
+
+def _chat(client: TestClient, **extra: Any) -> Any:
+    return client.post("/v1/chat/completions", json={"model": "stories", "messages": [{"role": "user", "content": "ab"}],
+                                                     "max_tokens": 2, **extra})
+
+
+def test_a_requests_template_is_refused_unless_trusted(registry: None) -> None:
+    llm = _llm(JinjaEngine)
+    try:
+        client = TestClient(create_app([ServedModel("stories", llm, 8)], ServerConfig()))
+        r = _chat(client, chat_template="{{ messages[0]['content'] }}!")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+        assert "trust_request_chat_template" in r.json()["error"]["message"]
+        assert _chat(client).status_code == 200  # the model's own template renders
+        trusting = TestClient(create_app([ServedModel("stories", llm, 8)], ServerConfig(trust_request_chat_template=True)))
+        assert _chat(trusting, chat_template="{{ messages[0]['content'] }}!").status_code == 200
+    finally:
+        llm.shutdown()
+
+
+def test_a_runaway_template_stops_at_the_time_limit_and_the_server_answers_meanwhile(registry: None) -> None:
+    import threading
+    import time
+
+    llm = _llm(JinjaEngine)
+    try:
+        settings = ServerConfig(trust_request_chat_template=True, template_timeout=1.5)
+        client = TestClient(create_app([ServedModel("stories", llm, 8)], settings))
+        result: dict[str, Any] = {}
+
+        def runaway() -> None:
+            t0 = time.monotonic()
+            result["response"] = _chat(client, chat_template=LOOPS)
+            result["seconds"] = time.monotonic() - t0
+
+        worker = threading.Thread(target=runaway)
+        worker.start()
+        time.sleep(0.3)
+        health = [client.get("/health").status_code for _ in range(3)]  # answered while the template runs
+        assert _chat(client).status_code == 200
+        worker.join(timeout=30)
+        assert not worker.is_alive()
+        r = result["response"]
+        assert r.status_code == 400 and "took longer than 1.5 s" in r.json()["error"]["message"], r.text
+        assert result["seconds"] < 10
+        assert health == [200, 200, 200]
+    finally:
+        llm.shutdown()
+
+
+def test_a_template_that_renders_too_much_text_is_refused(registry: None) -> None:
+    llm = _llm(JinjaEngine)
+    try:
+        settings = ServerConfig(trust_request_chat_template=True, max_prompt_chars=1000)
+        client = TestClient(create_app([ServedModel("stories", llm, 8)], settings))
+        r = _chat(client, chat_template="{{ 'a' * 5000 }}")
+        assert r.status_code == 400 and "rendered 5000 characters, more than 1000" in r.json()["error"]["message"]
+        assert _chat(client).status_code == 200
+    finally:
+        llm.shutdown()

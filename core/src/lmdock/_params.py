@@ -374,7 +374,8 @@ class ServerConfig(_Replaceable):
     asked for.  ``max_queue`` bounds each model's sequences in flight (running and waiting; a request
     counts its prompts x ``n`` (or beams)); by default it is the model's ``scheduler.max_num_seqs +
     scheduler.max_waiting``.  ``max_n``, ``max_logprobs`` (vLLM's default, and OpenAI's top_logprobs
-    bound), ``max_stop_strings`` and ``max_stop_length`` bound the work one request may ask for.
+    bound), ``max_stop_strings`` and ``max_stop_length`` bound the work one request may ask for;
+    ``template_timeout`` and ``max_prompt_chars`` bound a chat template's render (``server/_templates.py``).
     """
 
     host: str = "127.0.0.1"
@@ -391,12 +392,18 @@ class ServerConfig(_Replaceable):
     max_logprobs: int = 20
     max_stop_strings: int = 64
     max_stop_length: int = 1024
+    #: a request's own ``chat_template`` (a program the client sends) is refused unless this is on
+    trust_request_chat_template: bool = False
+    template_timeout: float = 5.0
+    max_prompt_chars: int = 4_194_304
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins or ()))
         for name in ("max_n", "max_stop_strings", "max_stop_length"):
             _int(name, getattr(self, name), 1, optional=False)
         _int("max_logprobs", self.max_logprobs, 0, optional=False)
+        _int("max_prompt_chars", self.max_prompt_chars, 1, optional=False)
+        check(self.template_timeout > 0, "template_timeout", f"must be > 0 seconds, got {self.template_timeout}")
         check(bool(self.host), "host", "must be a host name or address, such as '127.0.0.1'")
         _int("port", self.port, 0, optional=False)
         check(self.port <= 65535, "port", f"must be <= 65535, got {self.port}")

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from lmdock._errors import LmdockError
 from lmdock._outputs import RequestOutput
+from lmdock._params import ServerConfig
 from lmdock.server._errors import APIError, as_api_error
 from lmdock.server._logprobs import chat_logprobs
 from lmdock.server._protocol import ChatRequest, usage
@@ -27,6 +28,7 @@ from lmdock.server._streaming import (
     start_all,
     unless_disconnected,
 )
+from lmdock.server._templates import check_request_template, render_bounded
 
 router = APIRouter()
 
@@ -37,7 +39,7 @@ async def chat(body: ChatRequest, request: Request) -> Response:
     retry = st.retry_after
     sm = st.model(body.model)
     params = st.sampling_params(sm, body.overrides())
-    prompt = _render(sm, body, retry)
+    prompt = await _render(st.settings, sm, body, retry)
     admission = Admission(sm, sequences(1, params), retry)
     try:
         streams = [engine_stream(st, sm, prompt, params, add_special_tokens=False)]
@@ -57,12 +59,18 @@ async def chat(body: ChatRequest, request: Request) -> Response:
     return JSONResponse(reply.whole(out))
 
 
-def _render(sm: ServedModel, body: ChatRequest, retry: int) -> str:
+async def _render(settings: ServerConfig, sm: ServedModel, body: ChatRequest, retry: int) -> str:
+    """The prompt, rendered off the event loop within the server's time and size limits."""
     if body.continue_final_message and body.add_generation_prompt:
         raise APIError(400, "continue_final_message needs add_generation_prompt: false", param="continue_final_message")
-    try:
+    check_request_template(body.chat_template, settings)
+
+    def render() -> str:
         return sm.llm.render_chat(body.messages, body.chat_template or sm.chat_template, body.add_generation_prompt,  # type: ignore[no-any-return]
                                   body.continue_final_message, body.chat_template_kwargs)
+
+    try:
+        return await render_bounded(render, settings)
     except LmdockError as exc:
         raise as_api_error(exc, retry) from None
 
