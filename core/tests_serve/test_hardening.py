@@ -261,3 +261,74 @@ def test_a_template_that_renders_too_much_text_is_refused(registry: None) -> Non
         assert _chat(client).status_code == 200
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "ab", "temperature": 3}, "temperature"),
+        ("/v1/completions", {"prompt": "ab", "presence_penalty": 2.5}, "presence_penalty"),
+        ("/v1/completions", {"prompt": "ab", "frequency_penalty": -3}, "frequency_penalty"),
+        ("/v1/completions", {"prompt": "ab", "repetition_penalty": 0}, "repetition_penalty"),
+        ("/v1/completions", {"prompt": "ab", "top_p": 0}, "top_p"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}], "temperature": -0.5}, "temperature"),
+    ],
+)
+def test_floats_out_of_openais_ranges_are_a_400_naming_the_field(registry: None, route: str, body: dict[str, Any], param: str) -> None:
+    llm = _llm(JinjaEngine)
+    try:
+        client = TestClient(create_app([ServedModel("stories", llm, 8)], ServerConfig()))
+        r = client.post(route, json={"model": "stories", "max_tokens": 2, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    finally:
+        llm.shutdown()
+
+
+def test_an_infinite_temperature_is_a_400(registry: None) -> None:
+    llm = _llm(JinjaEngine)
+    try:
+        client = TestClient(create_app([ServedModel("stories", llm, 8)], ServerConfig()))
+        raw = b'{"model": "stories", "prompt": "ab", "max_tokens": 2, "temperature": 1e999}'
+        r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
+    finally:
+        llm.shutdown()
+
+
+def test_max_tokens_past_the_context_is_a_400_and_a_default_is_cut(registry: None) -> None:
+    llm = _llm(JinjaEngine)  # the FAKE engine's context: 256 tokens
+    try:
+        client = TestClient(create_app([ServedModel("stories", llm, 8)], ServerConfig()))
+        r = client.post("/v1/completions", json={"model": "stories", "prompt": "ab", "max_tokens": 1_000_000_000})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "max_tokens" and "context is 256" in error["message"]
+        r = _chat(client, max_completion_tokens=300)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
+        ok = client.post("/v1/completions", json={"model": "stories", "prompt": "ab", "max_tokens": 250})
+        assert ok.status_code == 200
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "where"),
+    [
+        ("/v1/completions", {"prompt": "a\ud800b", "max_tokens": 2}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x\udfffy"}], "max_tokens": 2}, "messages.0.content"),
+        ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+    ],
+)
+def test_a_lone_surrogate_is_a_400_not_a_500(registry: None, route: str, body: dict[str, Any], where: str) -> None:
+    import json
+
+    llm = _llm(JinjaEngine)
+    try:
+        client = TestClient(create_app([ServedModel("stories", llm, 8)], ServerConfig()), raise_server_exceptions=False)
+        raw = json.dumps({"model": "stories", **body}).encode()  # json.dumps writes the surrogate as \\ud800
+        r = client.post(route, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert where in r.json()["error"]["message"] and "surrogate" in r.json()["error"]["message"]
+        assert client.post("/v1/completions", json={"model": "stories", "prompt": "ab", "max_tokens": 1}).status_code == 200
+    finally:
+        llm.shutdown()

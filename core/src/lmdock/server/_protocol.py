@@ -29,7 +29,28 @@ class _Body(BaseModel):
             for key, value in data.items():
                 if value is not None and key not in cls.model_fields:
                     raise PydanticCustomError("unknown_field", "{message}", {"field": key, "message": unknown_field(key, cls.model_fields)})
+        where = _lone_surrogate(data, "")
+        if where is not None:
+            raise PydanticCustomError("invalid_text", "{message}", {"message": f"{where or 'the body'} holds a lone UTF-16 "
+                                      "surrogate (such as \\ud800), which is not text: send valid Unicode"})
         return data
+
+
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string in ``value`` that is not valid Unicode (a lone surrogate, which
+    JSON's \\u escapes can carry and no tokenizer can encode), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _lone_surrogate(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 def unknown_field(key: str, known: Any) -> str:
@@ -44,27 +65,34 @@ class StreamOptions(_Body):
 
 
 class _Sampling(_Body):
+    # OpenAI's ranges (a float past them, or inf/nan, is a 400 naming the field, as OpenAI answers)
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    n: int = Field(default=1, ge=1)
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extras
     top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    min_p: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+
+    def max_tokens_field(self) -> str | None:
+        """The name under which the client asked for a number of tokens, or None (the defaults apply)."""
+        if getattr(self, "max_completion_tokens", None) is not None:
+            return "max_completion_tokens"
+        return "max_tokens" if self.max_tokens is not None else None
 
     def overrides(self) -> dict[str, Any]:
         """The SamplingParams fields this body sets (``max_completion_tokens`` wins over ``max_tokens``)."""

@@ -51,10 +51,19 @@ class Admission:
 
 
 async def engine_stream(st: ServerState, sm: ServedModel, prompt: str | list[int], params: Any,
-                        add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
-    """Submit one request and yield its snapshots; leaving early (disconnect, cancel) aborts it at once."""
+                        add_special_tokens: bool = True, max_tokens_field: str | None = None) -> AsyncIterator[RequestOutput]:
+    """Submit one request and yield its snapshots; leaving early (disconnect, cancel) aborts it at once.
+
+    ``max_tokens_field``: the name the client asked for a token count under; asking for more than the
+    context leaves is a 400 (as vLLM and OpenAI answer), where a default is cut at the context."""
     llm = sm.llm
     request = llm.make_request(prompt, params, stream=True, add_special_tokens=add_special_tokens)
+    if max_tokens_field is not None:
+        room = llm.max_model_len - len(request.prompt_token_ids)
+        if params.max_new_tokens > room:
+            raise APIError(400, f"{max_tokens_field}={params.max_new_tokens}: the prompt has {len(request.prompt_token_ids)} "
+                                f"tokens and the model's context is {llm.max_model_len}; ask for at most {max(room, 0)}",
+                           param=max_tokens_field)
     sink = AsyncQueueSink(asyncio.get_running_loop())
     timer = RequestTimer(st.metrics, sm.name)
     llm.engine.submit(request, sink)

@@ -42,7 +42,7 @@ async def chat(body: ChatRequest, request: Request) -> Response:
     prompt = await _render(st.settings, sm, body, retry)
     admission = Admission(sm, sequences(1, params), retry)
     try:
-        streams = [engine_stream(st, sm, prompt, params, add_special_tokens=False)]
+        streams = [engine_stream(st, sm, prompt, params, add_special_tokens=False, max_tokens_field=body.max_tokens_field())]
         firsts = await unless_disconnected(request, start_all(streams, retry))
     except BaseException:
         admission.release()

@@ -38,7 +38,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     params = st.sampling_params(sm, body.overrides())
     admission = Admission(sm, sequences(len(prompts), params), retry)
     try:
-        streams = [engine_stream(st, sm, p, params) for p in prompts]
+        streams = [engine_stream(st, sm, p, params, max_tokens_field=body.max_tokens_field()) for p in prompts]
         # Validate and submit every prompt before answering, so a bad one is a 400, not a broken stream.
         firsts = await unless_disconnected(request, start_all(streams, retry))
     except BaseException:
