@@ -332,3 +332,21 @@ def test_a_lone_surrogate_is_a_400_not_a_500(registry: None, route: str, body: d
         assert client.post("/v1/completions", json={"model": "stories", "prompt": "ab", "max_tokens": 1}).status_code == 200
     finally:
         llm.shutdown()
+
+
+def test_serve_help_names_every_route(registry: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """`lmdock serve --help` lists what the app serves (read from the app's own routes)."""
+    from lmdock._cli import main
+
+    llm = _llm(FakeStepEngine)
+    try:
+        app = create_app([ServedModel("stories", llm, 8)], ServerConfig())
+        paths = set(app.openapi()["paths"])  # FastAPI's own list of the app's routes
+    finally:
+        llm.shutdown()
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert len(paths) >= 15 and "/v1/completions" in paths
+    missing = sorted(p for p in paths if p.replace("{model_id}", "{id}") not in text)
+    assert not missing, f"lmdock serve --help does not name {missing}"

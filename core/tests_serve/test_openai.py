@@ -21,6 +21,13 @@ def test_models_lists_the_config_name(server: Server) -> None:
     assert ids == ["stories"]
 
 
+def test_models_retrieve_one_by_name_or_404(server: Server) -> None:
+    model = client(server).models.retrieve("stories")
+    assert model.id == "stories" and model.object == "model"
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client(server).models.retrieve("nope")
+
+
 def test_greedy_completion_is_the_documented_continuation(server: Server) -> None:
     r = client(server).completions.create(model="stories", prompt="Once upon a time", max_tokens=40, temperature=0)
     assert r.choices[0].text == DOCUMENTED

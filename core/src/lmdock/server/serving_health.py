@@ -15,7 +15,7 @@ from lmdock.server._state import engine_stats, state_of
 router = APIRouter()
 
 
-@router.api_route("/health", methods=["GET", "HEAD"])
+@router.get("/health")
 async def health(request: Request) -> Response:
     """200 when every served engine takes requests; 503 naming each that does not (shut down, or
     declared dead after failing steps in a row: restart the server)."""
@@ -32,6 +32,12 @@ async def health(request: Request) -> Response:
     if dead:
         return json_error(503, "; ".join(dead), headers={"Retry-After": str(st.retry_after)})
     return JSONResponse({"status": "ok"})
+
+
+@router.head("/health")
+async def health_head(request: Request) -> Response:
+    """``HEAD /health``: the same status and headers, no body (load balancers' probe)."""
+    return await health(request)
 
 
 @router.get("/metrics")
