@@ -31,7 +31,7 @@ def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["serve", "--chat-tmplate", "f"], "--chat-tmplate: did you mean --chat-template?"),
         (["generate", "--max-model-len", "9", "x"], "--max-model-len: lmdock's is [models.NAME.build] max_seq_len in the config file"),
         (["generate", "--gpu-memory-utilization", "0.9", "x"], "lmdock's is [models.NAME.kv_cache] memory_fraction"),
-        (["serve", "--served-model-name", "x"], "--served-model-name: lmdock's is the model's name in the config file"),
+        (["generate", "--served-model-name", "x", "y"], "--served-model-name: lmdock's is the model's name in the config file"),
         (["embed", "--temp", "0.5", "x"], "--temp: lmdock's is --temperature"),
     ],
 )

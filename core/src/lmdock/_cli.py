@@ -129,8 +129,16 @@ def _parser() -> Parser:
                         "/v1/embeddings, /v1/score and /score, /v1/rerank and /rerank, /tokenize, /detokenize, "
                         "/tokenizer_info, /health, /metrics, /stats. Settings come from the config's [server] table; "
                         "SIGTERM/SIGINT drain the requests in flight, then exit 0. See docs/server.md.")
+    sv.add_argument("model", nargs="?", metavar="MODEL_OR_PATH",
+                    help="a model name in the config file, a local path or a hub id (as `vllm serve MODEL`)")
     sv.add_argument("-m", "--model", action="append", dest="models", metavar="MODEL",
                     help="a model name in the config file (repeatable; default: the config's default_model)")
+    # vLLM's flags, as `vllm serve` users type them, onto lmdock's portable config
+    sv.add_argument("--served-model-name", metavar="NAME", help="the name clients use for the (one) model")
+    sv.add_argument("--max-model-len", type=int, metavar="N", help="context length: [models.NAME.build] max_seq_len")
+    sv.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="[models.NAME.build] dtype")
+    sv.add_argument("--tensor-parallel-size", "-tp", type=int, metavar="N", help="[models.NAME.build] tensor_parallel_size")
+    sv.add_argument("--gpu-memory-utilization", type=float, metavar="F", help="[models.NAME.kv_cache] memory_fraction")
     sv.add_argument("--config", help="config file (default: $LMDOCK_CONFIG, ./lmdock.toml, ~/.config/lmdock/lmdock.toml)")
     sv.add_argument("--backend", help="backend name or 'auto' (overrides the config file)")
     sv.add_argument("--host", help="address to bind (default: [server] host, 127.0.0.1)")
@@ -444,8 +452,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from lmdock._errors import LmdockError as _E
 
         raise _E(f"lmdock serve needs the server extra ({exc.name} is missing): pip install 'lmdock[serve]'") from None
-    return serve(args.models, args.config, host=args.host, port=args.port, api_key=args.api_key, backend=args.backend,
-                 chat_template=args.chat_template, log_level=args.log_level)
+    models = ([args.model] if args.model else []) + (args.models or [])
+    return serve(models, args.config, host=args.host, port=args.port, api_key=args.api_key, backend=args.backend,
+                 chat_template=args.chat_template, log_level=args.log_level, options=_vllm_options(args),
+                 served_name=args.served_model_name)
+
+
+def _vllm_options(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM's serve flags as ``LLM(...)`` options (the config's sections, field by field)."""
+    build = {k: v for k, v in (("max_seq_len", args.max_model_len), ("dtype", args.dtype),
+                               ("tensor_parallel_size", args.tensor_parallel_size)) if v is not None}
+    options: dict[str, Any] = {"build": build} if build else {}
+    if args.gpu_memory_utilization is not None:
+        options["kv_cache"] = {"memory_fraction": args.gpu_memory_utilization}
+    return options
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ FOREIGN_FLAGS: dict[str, str] = {
     "--enable-prefix-caching": "[models.NAME.kv_cache] enable_prefix_caching in the config file",
     "--quantization": "[models.NAME.quantization] algo in the config file",
     "--trust-remote-code": "trust_remote_code = true under [models.NAME] in the config file",
-    "--served-model-name": "the model's name in the config file ([models.NAME]) or -m NAME",
+    "--served-model-name": "the model's name in the config file ([models.NAME]) or -m NAME (lmdock serve takes it)",
     "--model": "-m / --model",
     "--ctx-size": "[models.NAME.build] max_seq_len in the config file",
     "--n-predict": "--max-new-tokens",

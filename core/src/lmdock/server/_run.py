@@ -93,8 +93,13 @@ def serve(
     backend: str | None = None,
     chat_template: str | None = None,
     log_level: str = "info",
+    options: dict[str, Any] | None = None,
+    served_name: str | None = None,
 ) -> int:
-    """Serve ``models`` (config names, paths or hub ids; by default the config's ``default_model``)."""
+    """Serve ``models`` (config names, paths or hub ids; by default the config's ``default_model``).
+
+    ``options``: ``LLM(...)`` options over each model's config entry (vLLM's serve flags);
+    ``served_name``: the name clients use for the one model (vLLM's ``--served-model-name``)."""
     from lmdock._llm import LLM
 
     path = find_config(config)
@@ -108,6 +113,9 @@ def serve(
         names = [cfg.default_model]
     if len(set(names)) != len(names):
         raise ConfigError(f"a model is named twice: {', '.join(names)}")
+    if served_name is not None and len(names) != 1:
+        raise ConfigError(f"--served-model-name names one model; {len(names)} are served ({', '.join(names)}): "
+                          "give each its name in the config file ([models.NAME])")
     template = chat_template or settings.chat_template
     template_text = None
     if template:
@@ -119,10 +127,10 @@ def serve(
     served: list[ServedModel] = []
     try:
         for name in names:
-            llm = LLM(name, backend=backend, config=path)
+            llm = LLM(name, backend=backend, config=path, **(options or {}))
             sched = llm.model_config.scheduler
             limit = settings.max_queue or (sched.max_num_seqs + sched.max_waiting)
-            served.append(ServedModel(name, llm, limit, template_text))
+            served.append(ServedModel(served_name or name, llm, limit, template_text))
         app = create_app(served, settings, key)
         uconfig = uvicorn.Config(
             app,
