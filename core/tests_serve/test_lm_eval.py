@@ -103,3 +103,28 @@ def test_lm_eval_loglikelihoods_equal_in_process_prompt_logprobs(server: Server,
                 checked += 1
     assert checked == sum(len(d["choices"]) for d in MC)
     assert os.environ["HF_DATASETS_OFFLINE"] == "1"
+
+
+def test_lm_eval_with_an_api_key_as_documented(strict: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/server.md: with a key on the server, lm-eval gets it as OPENAI_API_KEY (completions) and
+    auth_token in model_args (its remote tokenizer)."""
+    import httpx
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    monkeypatch.setenv("OPENAI_API_KEY", "sekret-key")
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    assert httpx.get(f"{strict.url}/tokenizer_info").status_code == 401  # every route but /health needs the key
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=f"model=stories,base_url={strict.url}/v1/completions,tokenizer_backend=remote,num_concurrent=1,"
+                   "max_retries=1,auth_token=sekret-key",
+        tasks=["lmdock_gen"],
+        task_manager=TaskManager(include_path=str(_tasks(tmp_path))),
+        log_samples=True,
+    )
+    assert results is not None
+    first = next(s for s in results["samples"]["lmdock_gen"] if s["doc"]["context"] == "Once upon a time")
+    assert first["filtered_resps"][0] == ", there was a little girl named Lily"
