@@ -239,3 +239,31 @@ def test_an_unknown_field_from_the_openai_client_is_400_naming_it(server: Server
         client(server).chat.completions.create(model="stories", messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                                logit_bias={"5": 10})
     assert _shape(exc.value.response.json())["param"] == "logit_bias"
+
+
+def test_logprob_tokens_join_to_the_text_completions_and_chat_streamed_or_not(server: Server) -> None:
+    """Each token's string is the text it adds (SentencePiece's leading spaces included), so they join
+    to the completion, and chat's ``bytes`` are that text's UTF-8 (issue 29)."""
+    c = client(server)
+    r = c.completions.create(model="stories", prompt="Once upon a time", max_tokens=24, temperature=0, logprobs=2)
+    text = r.choices[0].text
+    assert " " in text and "".join(r.choices[0].logprobs.tokens) == text
+    offsets = r.choices[0].logprobs.text_offset
+    assert [text[o:o + len(t)] for o, t in zip(offsets, r.choices[0].logprobs.tokens)] == r.choices[0].logprobs.tokens
+    streamed_tokens, streamed_text = [], ""
+    for chunk in c.completions.create(model="stories", prompt="Once upon a time", max_tokens=24, temperature=0, logprobs=2, stream=True):
+        if chunk.choices:
+            streamed_text += chunk.choices[0].text
+            streamed_tokens += chunk.choices[0].logprobs.tokens if chunk.choices[0].logprobs else []
+    assert streamed_text == text and "".join(streamed_tokens) == text
+    messages = [{"role": "user", "content": "Once upon a time"}]
+    ch = c.chat.completions.create(model="stories", messages=messages, max_tokens=24, temperature=0, logprobs=True, top_logprobs=2)
+    content = ch.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == ch.choices[0].message.content
+    assert all(bytes(t.bytes) == t.token.encode() and len(t.top_logprobs) == 2 for t in content)
+    pieces, said = [], ""
+    for chunk in c.chat.completions.create(model="stories", messages=messages, max_tokens=24, temperature=0, logprobs=True, stream=True):
+        if chunk.choices:
+            said += chunk.choices[0].delta.content or ""
+            pieces += [t.token for t in (chunk.choices[0].logprobs.content or [])] if chunk.choices[0].logprobs else []
+    assert said == ch.choices[0].message.content and "".join(pieces) == said

@@ -29,6 +29,16 @@ def test_logprobs_of_generated_tokens(llm: Any, reference: dict, lmdock_setup: A
     assert out.cumulative_logprob == pytest.approx(sum(p[t].logprob for p, t in zip(out.logprobs, out.token_ids)), abs=1e-3)
 
 
+@pytest.mark.requires("logprobs")
+def test_logprob_token_strings_join_to_the_text(llm: Any, reference: dict) -> None:
+    """Each generated token's ``decoded_token`` is the text it adds, so they join to the output's text
+    (a SentencePiece token decoded alone loses its leading space), as vLLM's ``decoded_token``."""
+    out = llm.generate(reference["prompt"], SamplingParams(temperature=0, max_new_tokens=24, logprobs=2))[0].outputs[0]
+    strings = [position[token].decoded_token for position, token in zip(out.logprobs, out.token_ids)]
+    assert " " in out.text and all(isinstance(s, str) for s in strings)
+    assert "".join(strings) == out.text
+
+
 @pytest.mark.requires("prompt_logprobs")
 def test_prompt_logprobs(llm: Any, reference: dict, lmdock_setup: Any) -> None:
     ids = reference["prompt_ids"]

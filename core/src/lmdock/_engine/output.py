@@ -4,7 +4,7 @@ cumulative ``RequestOutput`` snapshots a sink receives."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -14,6 +14,10 @@ from lmdock._engine.failures import Failure, as_request_error
 from lmdock._engine.sampler import Sample, log_softmax
 from lmdock._engine.sequence import Req, Seq
 from lmdock._outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+
+#: Tokens before a token decoded with it for its ``decoded_token`` (a SentencePiece space, a character
+#: split over byte tokens)
+IN_CONTEXT_WINDOW = 4
 
 if TYPE_CHECKING:
     from lmdock._engine.kv import KV
@@ -77,10 +81,10 @@ class OutputProcessor:
         stops that need no text (EOS, stop token ids, length).  True if a stop token ended it."""
         tok = sample.token
         params = seq.row.params
-        seq.token_ids.append(tok)
         if seq.logprobs is not None and sample.logprob is not None:
             seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + sample.logprob
-            seq.logprobs.append(self._sample_logprobs(sample))
+            seq.logprobs.append(self._sample_logprobs(sample, seq.token_ids, params.skip_special_tokens))
+        seq.token_ids.append(tok)
         if seq.num_output >= params.min_new_tokens:
             if not params.ignore_eos and tok in self.eos_token_ids:
                 seq.finish_reason = "stop"
@@ -123,22 +127,36 @@ class OutputProcessor:
         for r, lp in zip(rows, lps):
             if chunk.start + r + 1 != len(plp):
                 continue  # never leave a hole
-            plp.append(self._position_logprobs(seq.token_ids[chunk.start + r + 1], lp, k))
+            at = chunk.start + r + 1
+            plp.append(self._position_logprobs(seq.token_ids[at], lp, k, seq.token_ids[:at], seq.row.params.skip_special_tokens))
 
-    def _position_logprobs(self, token: int, lp: np.ndarray, k: int) -> PositionLogprobs:
-        decode = self.tokenizer.decode
-        entry = {token: Logprob(float(lp[token]), int((lp > lp[token]).sum()) + 1, decode([token]))}
+    def _in_context(self, before: Sequence[int], skip_special: bool) -> Callable[[int], str]:
+        """A token's ``decoded_token``: the text it adds after the tokens before it (a short window of
+        them decoded with and without it), so a sequence's token strings join to its text; decoded
+        alone, a SentencePiece token loses its leading space (issue 29)."""
+        decode, window = self.tokenizer.decode, list(before[-IN_CONTEXT_WINDOW:])
+        head = decode(window, skip_special_tokens=skip_special) if window else ""
+
+        def text(token: int) -> str:
+            whole = decode([*window, token], skip_special_tokens=skip_special)
+            return whole[len(head):] if whole.startswith(head) else decode([token], skip_special_tokens=skip_special)
+
+        return text
+
+    def _position_logprobs(self, token: int, lp: np.ndarray, k: int, before: Sequence[int], skip_special: bool) -> PositionLogprobs:
+        text = self._in_context(before, skip_special)
+        entry = {token: Logprob(float(lp[token]), int((lp > lp[token]).sum()) + 1, text(token))}
         if k:
             top = np.argsort(-lp, kind="stable")[:k]
             for rank, t in enumerate(top, start=1):
-                entry.setdefault(int(t), Logprob(float(lp[t]), rank, decode([int(t)])))
+                entry.setdefault(int(t), Logprob(float(lp[t]), rank, text(int(t))))
         return entry
 
-    def _sample_logprobs(self, sample: Sample) -> PositionLogprobs:
-        decode = self.tokenizer.decode
-        entry = {sample.token: Logprob(sample.logprob or 0.0, sample.rank, decode([sample.token]))}
+    def _sample_logprobs(self, sample: Sample, before: Sequence[int], skip_special: bool) -> PositionLogprobs:
+        text = self._in_context(before, skip_special)
+        entry = {sample.token: Logprob(sample.logprob or 0.0, sample.rank, text(sample.token))}
         for rank, (t, lp) in enumerate(sample.top, start=1):
-            entry.setdefault(t, Logprob(lp, rank, decode([t])))
+            entry.setdefault(t, Logprob(lp, rank, text(t)))
         return entry
 
     # -- snapshots ----------------------------------------------------------------------------------

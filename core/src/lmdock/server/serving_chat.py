@@ -48,6 +48,7 @@ async def chat(body: ChatRequest, request: Request) -> Response:
         admission.release()
         raise
     reply = _Reply(body, sm.name, sm.llm.tokenizer, params.n)
+    reply.prompt_ids = list(firsts[0].prompt_token_ids) if firsts and firsts[0] is not None else []
     if body.stream:
         return sse_response(request, reply.chunks(streams, firsts), admission, retry)
     try:
@@ -81,12 +82,15 @@ class _Reply:
     def __init__(self, body: ChatRequest, model: str, tok: Any, n: int) -> None:
         self.body, self.model, self.tok, self.n = body, model, tok, n
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.prompt_ids: list[int] = []  # the rendered prompt's tokens: what the first token's text follows
         self.created = int(time.time())
 
     def logprobs(self, c: Any, start: int) -> dict[str, Any] | None:
         if not self.body.logprobs:
             return None
-        return {"content": chat_logprobs(self.tok, list(c.token_ids[start:]), list((c.logprobs or [])[start:]), self.body.top_logprobs or 0)}
+        before = [*self.prompt_ids, *c.token_ids[:start]]  # what the tokens' text follows
+        return {"content": chat_logprobs(self.tok, list(c.token_ids[start:]), list((c.logprobs or [])[start:]),
+                                         self.body.top_logprobs or 0, before)}
 
     def whole(self, out: RequestOutput) -> dict[str, Any]:
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": self.logprobs(c, 0),

@@ -72,12 +72,13 @@ class _Reply:
     def logprobs(self, i: int, out: RequestOutput, c: Any, start: int, text_start: int) -> dict[str, Any] | None:
         """Choice ``c``'s logprobs from its token ``start`` on (with the prompt's, when echoed, from 0)."""
         ids, pos = list(c.token_ids[start:]), list((c.logprobs or [])[start:])
+        before = [*out.prompt_token_ids, *c.token_ids[:start]]  # what the tokens' text follows
         if self.body.echo and start == 0:
             plp = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
             head = legacy_logprobs(self.tok, list(out.prompt_token_ids), list(plp), 0)
-            tail = legacy_logprobs(self.tok, ids, pos, len(self.echo[i]))
+            tail = legacy_logprobs(self.tok, ids, pos, len(self.echo[i]), before)
             return {k: head[k] + tail[k] for k in head}
-        return legacy_logprobs(self.tok, ids, pos, text_start)
+        return legacy_logprobs(self.tok, ids, pos, text_start, before)
 
     def whole(self, outs: list[RequestOutput]) -> dict[str, Any]:
         want_lp = self.body.logprobs is not None
