@@ -83,7 +83,7 @@ def test_the_reference_engine_passes_what_the_wrong_one_fails(pytester: pytest.P
         "--pyargs", "lmdock_conformance", "--lmdock-backend=template", f"--lmdock-model={stories()}",
         "-k", "greedy_reference or token_id_prompt or logprobs", "-p", "no:cacheprovider",
     )
-    result.assert_outcomes(passed=7)  # greedy tokens and text, token ids, test_logprobs.py (4)
+    result.assert_outcomes(passed=8)  # greedy tokens and text, token ids, test_logprobs.py (5)
 
 
 def test_bad_options_are_a_usage_error(pytester: pytest.Pytester) -> None:
