@@ -375,3 +375,19 @@ def test_served_model_name_names_one_model(tmp_path: Path, capsys: pytest.Captur
     (tmp_path / "lmdock.toml").write_text('[models.a]\nmodel = "x"\n[models.b]\nmodel = "y"\n', encoding="utf-8")
     code = main(["serve", "--config", str(tmp_path / "lmdock.toml"), "-m", "a", "-m", "b", "--served-model-name", "z"])
     assert code == 2 and "--served-model-name names one model; 2 are served" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [({"min_tokens": -1}, "min_tokens"), ({"max_completion_tokens": -3}, "max_completion_tokens"), ({"max_tokens": 0}, "max_tokens")],
+)
+def test_errors_name_the_field_the_client_sent(registry: None, body: dict[str, Any], param: str) -> None:
+    """Not lmdock's own names (``max_new_tokens``, ``min_new_tokens``) for what the client called otherwise."""
+    llm = _llm(JinjaEngine)
+    try:
+        client = TestClient(create_app([ServedModel("stories", llm, 8)], ServerConfig()))
+        r = _chat(client, **body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert r.json()["error"]["message"].startswith(param) and "_new_tokens" not in r.json()["error"]["message"]
+    finally:
+        llm.shutdown()

@@ -267,3 +267,16 @@ def test_logprob_tokens_join_to_the_text_completions_and_chat_streamed_or_not(se
             said += chunk.choices[0].delta.content or ""
             pieces += [t.token for t in (chunk.choices[0].logprobs.content or [])] if chunk.choices[0].logprobs else []
     assert said == ch.choices[0].message.content and "".join(pieces) == said
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(server: Server) -> None:
+    """vLLM's prompt scoring: the prompt back with its logprobs and no completion (issue 29)."""
+    r = client(server).completions.create(model="stories", prompt="Once upon a time", max_tokens=0, echo=True, logprobs=1)
+    ch = r.choices[0]
+    assert ch.text == "Once upon a time" and ch.finish_reason == "length"
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ch.logprobs.token_logprobs) == 5
+    assert ch.logprobs.token_logprobs[0] is None and all(x < 0 for x in ch.logprobs.token_logprobs[1:])
+    with_one = client(server).completions.create(model="stories", prompt="Once upon a time", max_tokens=1, echo=True, logprobs=1)
+    assert with_one.choices[0].logprobs.token_logprobs[:5] == ch.logprobs.token_logprobs
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client(server).completions.create(model="stories", prompt="Once upon a time", max_tokens=0)

@@ -124,8 +124,20 @@ class CompletionRequest(_Sampling):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
+    def prompt_only(self) -> bool:
+        """``echo`` with a token count of 0: score the prompt (vLLM's way to get a prompt's logprobs)."""
+        return self.echo and 0 in (self.max_tokens, self.max_completion_tokens)
+
+    def max_tokens_field(self) -> str | None:
+        return None if self.prompt_only() else super().max_tokens_field()
+
     def overrides(self) -> dict[str, Any]:
         out = super().overrides()
+        if self.prompt_only():
+            if self.stream:
+                raise APIError(400, "echo with max_tokens 0 scores the prompt and streams nothing: send stream: false",
+                               param="stream")
+            out["max_new_tokens"] = 1  # the engine computes one token, which the answer leaves out
         if self.logprobs is not None:
             out["logprobs"] = self.logprobs
             if self.echo:

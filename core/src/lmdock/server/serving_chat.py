@@ -38,7 +38,7 @@ async def chat(body: ChatRequest, request: Request) -> Response:
     st = state_of(request)
     retry = st.retry_after
     sm = st.model(body.model)
-    params = st.sampling_params(sm, body.overrides())
+    params = st.sampling_params(sm, body.overrides(), body.model_dump())
     prompt = await _render(st.settings, sm, body, retry)
     admission = Admission(sm, sequences(1, params), retry)
     try:

@@ -35,7 +35,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     retry = st.retry_after
     sm = st.model(body.model)
     prompts = body.prompts()
-    params = st.sampling_params(sm, body.overrides())
+    params = st.sampling_params(sm, body.overrides(), body.model_dump())
     admission = Admission(sm, sequences(len(prompts), params), retry)
     try:
         streams = [engine_stream(st, sm, p, params, max_tokens_field=body.max_tokens_field()) for p in prompts]
@@ -81,12 +81,27 @@ class _Reply:
         return legacy_logprobs(self.tok, ids, pos, text_start, before)
 
     def whole(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        if self.body.prompt_only():
+            return self._scored(outs)
         want_lp = self.body.logprobs is not None
         choices = [{"index": i * self.n + c.index, "text": self.echo[i] + c.text,
                     "logprobs": self.logprobs(i, out, c, 0, len(self.echo[i])) if want_lp else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                    for i, out in enumerate(outs) for c in out.outputs]
         return self._object(choices, usage=usage(outs))  # type: ignore[arg-type]
+
+    def _scored(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        """``echo`` with max_tokens 0: each prompt and its logprobs, no completion."""
+        choices = []
+        for i, out in enumerate(outs):
+            lp = None
+            if self.body.logprobs is not None:
+                plp = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+                lp = legacy_logprobs(self.tok, list(out.prompt_token_ids), list(plp), 0)
+            choices += [{"index": i * self.n + c.index, "text": self.echo[i], "logprobs": lp, "finish_reason": "length",
+                         "stop_reason": None} for c in out.outputs]
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
+        return self._object(choices, usage={"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens})
 
     async def chunks(self, streams: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput | None]) -> AsyncIterator[dict[str, Any]]:
         want_lp = self.body.logprobs is not None
