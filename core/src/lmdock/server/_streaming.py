@@ -90,6 +90,20 @@ async def engine_stream(st: ServerState, sm: ServedModel, prompt: str | list[int
             llm.engine.abort(request.request_id)
 
 
+async def submit_admitted(request: Request, st: ServerState, sm: ServedModel, prompts: list[Any], params: Any,
+                          **stream_kw: Any) -> tuple[Admission, list[AsyncIterator[RequestOutput]], list[RequestOutput | None]]:
+    """Admit a request's sequences, then submit one engine stream per prompt and wait for each one's
+    first output (so a bad prompt is a 400, not a broken stream); the places go back on any failure."""
+    admission = Admission(sm, sequences(len(prompts), params), st.retry_after)
+    try:
+        streams = [engine_stream(st, sm, p, params, **stream_kw) for p in prompts]
+        firsts = await unless_disconnected(request, start_all(streams, st.retry_after))
+    except BaseException:
+        admission.release()
+        raise
+    return admission, streams, firsts
+
+
 async def start_all(streams: list[AsyncIterator[RequestOutput]], retry: int) -> list[RequestOutput | None]:
     """Submit every request (the first ``__anext__`` submits, then waits for the first output).
 

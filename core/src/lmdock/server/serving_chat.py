@@ -19,13 +19,10 @@ from lmdock.server._logprobs import chat_logprobs
 from lmdock.server._protocol import ChatRequest, usage
 from lmdock.server._state import ServedModel, state_of
 from lmdock.server._streaming import (
-    Admission,
     choice_deltas,
     collect,
-    engine_stream,
-    sequences,
     sse_response,
-    start_all,
+    submit_admitted,
     unless_disconnected,
 )
 from lmdock.server._templates import check_request_template, render_bounded
@@ -40,13 +37,8 @@ async def chat(body: ChatRequest, request: Request) -> Response:
     sm = st.model(body.model)
     params = st.sampling_params(sm, body.overrides(), body.model_dump())
     prompt = await _render(st.settings, sm, body, retry)
-    admission = Admission(sm, sequences(1, params), retry)
-    try:
-        streams = [engine_stream(st, sm, prompt, params, add_special_tokens=False, max_tokens_field=body.max_tokens_field())]
-        firsts = await unless_disconnected(request, start_all(streams, retry))
-    except BaseException:
-        admission.release()
-        raise
+    admission, streams, firsts = await submit_admitted(request, st, sm, [prompt], params, add_special_tokens=False,
+                                                       max_tokens_field=body.max_tokens_field())
     reply = _Reply(body, sm.name, sm.llm.tokenizer, params.n)
     reply.prompt_ids = list(firsts[0].prompt_token_ids) if firsts and firsts[0] is not None else []
     if body.stream:

@@ -16,13 +16,10 @@ from lmdock.server._logprobs import legacy_logprobs
 from lmdock.server._protocol import CompletionRequest, usage
 from lmdock.server._state import state_of
 from lmdock.server._streaming import (
-    Admission,
     choice_deltas,
     collect,
-    engine_stream,
-    sequences,
     sse_response,
-    start_all,
+    submit_admitted,
     unless_disconnected,
 )
 
@@ -36,14 +33,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     sm = st.model(body.model)
     prompts = body.prompts()
     params = st.sampling_params(sm, body.overrides(), body.model_dump())
-    admission = Admission(sm, sequences(len(prompts), params), retry)
-    try:
-        streams = [engine_stream(st, sm, p, params, max_tokens_field=body.max_tokens_field()) for p in prompts]
-        # Validate and submit every prompt before answering, so a bad one is a 400, not a broken stream.
-        firsts = await unless_disconnected(request, start_all(streams, retry))
-    except BaseException:
-        admission.release()
-        raise
+    admission, streams, firsts = await submit_admitted(request, st, sm, prompts, params, max_tokens_field=body.max_tokens_field())
     reply = _Reply(body, sm.name, sm.llm.tokenizer, prompts, params.n)
     if body.stream:
         return sse_response(request, reply.chunks(streams, firsts), admission, retry)
