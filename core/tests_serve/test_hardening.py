@@ -391,3 +391,16 @@ def test_errors_name_the_field_the_client_sent(registry: None, body: dict[str, A
         assert r.json()["error"]["message"].startswith(param) and "_new_tokens" not in r.json()["error"]["message"]
     finally:
         llm.shutdown()
+
+
+def test_an_image_part_is_refused_not_ignored(registry: None) -> None:
+    llm = _llm(JinjaEngine)
+    try:
+        client = TestClient(create_app([ServedModel("stories", llm, 8)], ServerConfig()), raise_server_exceptions=False)
+        parts = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+        r = client.post("/v1/chat/completions", json={"model": "stories", "messages": [{"role": "user", "content": parts}], "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "messages.0.content.1.type" and "'image_url'" in error["message"]
+    finally:
+        llm.shutdown()

@@ -156,6 +156,19 @@ class ResponseFormat(_Body):
 
 class ChatRequest(_Sampling):
     messages: list[dict[str, Any]]
+
+    @model_validator(mode="after")
+    def _text_parts_only(self) -> ChatRequest:
+        """Content parts other than text (``image_url``, ``input_audio``...) are refused: the served
+        models read text, and a part they would never see must not pass as if it had been."""
+        for i, message in enumerate(self.messages):
+            content = message.get("content")
+            for j, part in enumerate(content if isinstance(content, list) else ()):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text":
+                    raise APIError(400, f"messages[{i}].content[{j}] is a {kind!r} part; lmdock serves text models, which "
+                                        "would not see it: send text parts only", param=f"messages.{i}.content.{j}.type")
+        return self
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
     max_completion_tokens: int | None = None
