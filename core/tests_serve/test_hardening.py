@@ -404,3 +404,18 @@ def test_an_image_part_is_refused_not_ignored(registry: None) -> None:
         assert error["param"] == "messages.0.content.1.type" and "'image_url'" in error["message"]
     finally:
         llm.shutdown()
+
+
+def test_cors_preflights_allowed_and_refused_in_openais_shape(registry: None) -> None:
+    llm = _llm(FakeStepEngine)
+    try:
+        client = TestClient(create_app([ServedModel("stories", llm, 8)], ServerConfig(cors_origins=("https://app.example",))))
+        ask = {"Access-Control-Request-Method": "POST"}
+        ok = client.options("/v1/completions", headers={"Origin": "https://app.example", **ask})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://app.example"
+        refused = client.options("/v1/completions", headers={"Origin": "https://evil.example", **ask})
+        assert refused.status_code == 400 and refused.headers["content-type"].startswith("application/json")
+        error = refused.json()["error"]
+        assert "Disallowed CORS origin" in error["message"] and "cors_origins" in error["message"]
+    finally:
+        llm.shutdown()

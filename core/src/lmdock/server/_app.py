@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import FastAPI
 
 from lmdock._params import ServerConfig
@@ -13,7 +15,7 @@ from lmdock.server import (
     serving_pooling,
     serving_tokenize,
 )
-from lmdock.server._errors import install_error_handlers
+from lmdock.server._errors import install_error_handlers, json_error
 from lmdock.server._guard import Guard
 from lmdock.server._metrics import Metrics
 from lmdock.server._state import ServedModel, ServerState, engine_stats
@@ -38,8 +40,24 @@ def create_app(models: list[ServedModel], settings: ServerConfig | None = None, 
     # Outermost first: body limit, then auth, then CORS (so a preflight needs no key), then drain.
     app.add_middleware(Guard, state=state)
     if settings.cors_origins:
-        from starlette.middleware.cors import CORSMiddleware
-
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
+        app.add_middleware(_cors_middleware(), allow_origins=list(settings.cors_origins), allow_methods=["*"],
                            allow_headers=["*"], allow_credentials=False)
     return app
+
+
+def _cors_middleware() -> type:
+    """Starlette's CORS middleware, whose refused preflight answers in OpenAI's error body (Starlette's
+    own is plain text, which clients parsing JSON errors choke on)."""
+    from starlette.middleware.cors import CORSMiddleware
+    from starlette.responses import Response
+
+    class CORS(CORSMiddleware):
+        def preflight_response(self, request_headers: Any) -> Response:
+            response = super().preflight_response(request_headers)
+            if response.status_code != 400:
+                return response
+            reason = bytes(response.body).decode() or "Disallowed CORS request"
+            headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
+            return json_error(400, f"{reason}: the origin, method or headers are not in [server] cors_origins", headers=headers)
+
+    return CORS
