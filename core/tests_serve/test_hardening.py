@@ -419,3 +419,21 @@ def test_cors_preflights_allowed_and_refused_in_openais_shape(registry: None) ->
         assert "Disallowed CORS origin" in error["message"] and "cors_origins" in error["message"]
     finally:
         llm.shutdown()
+
+
+def test_errors_name_the_served_model_never_its_path(registry: None, tmp_path: Path) -> None:
+    """A chat with no template, embeddings from a generating model: the client reads the served name."""
+    llm = _llm(FakeStepEngine)  # the FAKE tokenizer has no chat template; its model "path" is "m"
+    secret = str(tmp_path / "models" / "private-checkpoint")
+    object.__setattr__(llm.model_config, "model", secret)  # as a model loaded from a folder on the server
+    try:
+        client = TestClient(create_app([ServedModel("stories", llm, 8)], ServerConfig()), raise_server_exceptions=False)
+        for route, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}], "max_tokens": 2}),
+                            ("/v1/embeddings", {"input": "ab"}),
+                            ("/tokenize", {"messages": [{"role": "user", "content": "ab"}]})):
+            r = client.post(route, json={"model": "stories", **body})
+            assert r.status_code == 400, (route, r.text)
+            assert secret not in r.text and "private-checkpoint" not in r.text, (route, r.text)
+            assert "stories" in r.json()["error"]["message"], (route, r.text)
+    finally:
+        llm.shutdown()

@@ -53,23 +53,27 @@ def json_error(status: int, message: str, param: str | None = None, code: str | 
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
-def as_api_error(exc: BaseException, retry_after: int) -> APIError:
-    """The status an exception from the engine or the request's own values stands for."""
+def as_api_error(exc: BaseException, retry_after: int, hide: tuple[str, str] | None = None) -> APIError:
+    """The status an exception from the engine or the request's own values stands for.  ``hide``:
+    ``(the model's path, its served name)``; a client reads the name, never the server's file system."""
     if isinstance(exc, APIError):
         return exc
+    text = str(exc)
+    if hide is not None and hide[0]:
+        text = text.replace(repr(hide[0]), repr(hide[1])).replace(hide[0], hide[1])
     if isinstance(exc, QueueFullError):
-        return APIError(429, str(exc), headers={"Retry-After": str(retry_after)})
+        return APIError(429, text, headers={"Retry-After": str(retry_after)})
     if isinstance(exc, EngineClosedError):
-        return APIError(503, f"the engine is not running: {exc}", headers={"Retry-After": str(retry_after)})
+        return APIError(503, f"the engine is not running: {text}", headers={"Retry-After": str(retry_after)})
     if isinstance(exc, (RequestError, ConfigError, UnsupportedError, ValueError)):
         param = getattr(exc, "key", None)
         if param and param.startswith("sampling_params."):
             param = param.split(".", 1)[1]
-        return APIError(400, str(exc), param=param)
+        return APIError(400, text, param=param)
     if isinstance(exc, LmdockError):
-        return APIError(500, str(exc))
+        return APIError(500, text)
     log.error("request failed", exc_info=exc)
-    return APIError(500, f"internal error ({type(exc).__name__}: {exc})")
+    return APIError(500, f"internal error ({type(exc).__name__}: {text})")
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -26,6 +26,11 @@ class ServedModel:
     in_flight: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
 
+    @property
+    def hide(self) -> tuple[str, str]:
+        """``(the model's path or hub id, its served name)``: errors show clients the name only."""
+        return (str(getattr(getattr(self.llm, "model_config", None), "model", "") or ""), self.name)
+
 
 @dataclass
 class ServerState:

@@ -65,7 +65,7 @@ async def _render(settings: ServerConfig, sm: ServedModel, body: ChatRequest, re
     try:
         return await render_bounded(render, settings)
     except LmdockError as exc:
-        raise as_api_error(exc, retry) from None
+        raise as_api_error(exc, retry, sm.hide) from None
 
 
 class _Reply:

@@ -40,7 +40,7 @@ async def _run(sm: ServedModel, request: Request, fn: Callable[..., Any], *args:
     try:
         return await unless_disconnected(request, asyncio.to_thread(fn, *args, **kwargs))
     except BaseException as exc:
-        raise as_api_error(exc, retry) from None
+        raise as_api_error(exc, retry, sm.hide) from None
     finally:
         admission.release()
 

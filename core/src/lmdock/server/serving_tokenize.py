@@ -10,6 +10,7 @@ from lmdock._errors import LmdockError
 from lmdock.server._errors import APIError, as_api_error
 from lmdock.server._protocol import DetokenizeRequest, TokenizeRequest
 from lmdock.server._state import ServedModel, state_of
+from lmdock.server._templates import render_bounded
 
 router = APIRouter()
 
@@ -35,13 +36,14 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
     try:
-        if body.messages is not None:
-            text = sm.llm.render_chat(body.messages, sm.chat_template, body.add_generation_prompt)
+        if body.messages is not None:  # the template renders off the event loop, within the server's limits
+            messages = body.messages
+            text = await render_bounded(lambda: sm.llm.render_chat(messages, sm.chat_template, body.add_generation_prompt), st.settings)
             ids = tok.encode(text, add_special_tokens=False)
         else:
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     except LmdockError as exc:
-        raise as_api_error(exc, st.retry_after) from None
+        raise as_api_error(exc, st.retry_after, sm.hide) from None
     return {"count": len(ids), "max_model_len": sm.llm.max_model_len, "tokens": ids, "token_strs": None}
 
 
