@@ -12,8 +12,10 @@ from pathlib import Path
 HEADER = """# Hook reference
 
 Generated from `core/src/lmdock/hookspecs.py` by `python scripts/gen_hook_docs.py`; do not edit by
-hand. Hooks are listed in lifecycle order. Implement them with `@lmdock.hookimpl` in a module that
-your distribution names in `[project.entry-points.lmdock]` (see `authoring-backends.md`).
+hand. Hooks are listed in lifecycle order. A backend's own hooks (registration, quantization, build
+config, loading) are implemented for you by `lmdock.backend.Backend`; implement the others with
+`@lmdock.hookimpl` in a module or object that your distribution names in
+`[project.entry-points.lmdock]` (see `authoring-backends.md`).
 """
 
 
