@@ -437,3 +437,14 @@ def test_errors_name_the_served_model_never_its_path(registry: None, tmp_path: P
             assert "stories" in r.json()["error"]["message"], (route, r.text)
     finally:
         llm.shutdown()
+
+
+def test_a_request_cut_by_shutdown_is_a_503_with_retry_after() -> None:
+    """Past shutdown_timeout uvicorn cancels what still runs: that is a 503 to retry, not a 500."""
+    import asyncio
+
+    from lmdock.server._errors import as_api_error
+
+    error = as_api_error(asyncio.CancelledError(), 3)
+    assert error.status == 503 and error.headers == {"Retry-After": "3"}
+    assert "shutting down" in error.body()["error"]["message"]

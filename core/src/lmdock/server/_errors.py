@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -63,6 +64,9 @@ def as_api_error(exc: BaseException, retry_after: int, hide: tuple[str, str] | N
         text = text.replace(repr(hide[0]), repr(hide[1])).replace(hide[0], hide[1])
     if isinstance(exc, QueueFullError):
         return APIError(429, text, headers={"Retry-After": str(retry_after)})
+    if isinstance(exc, asyncio.CancelledError):  # cut by the server: past [server] shutdown_timeout
+        return APIError(503, "the request was cut short: the server is shutting down ([server] shutdown_timeout "
+                             "passed); retry on another replica or later", headers={"Retry-After": str(retry_after)})
     if isinstance(exc, EngineClosedError):
         return APIError(503, f"the engine is not running: {text}", headers={"Retry-After": str(retry_after)})
     if isinstance(exc, (RequestError, ConfigError, UnsupportedError, ValueError)):

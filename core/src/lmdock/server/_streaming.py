@@ -198,11 +198,13 @@ async def unless_disconnected(request: Request, work: Any) -> Any:
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        gone = watch.done() and not watch.cancelled()  # else this route itself was cancelled (shutdown)
         watch.cancel()
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            raise APIError(499, "the client closed the connection")
+            if gone:
+                raise APIError(499, "the client closed the connection")
     return task.result()
 
 
