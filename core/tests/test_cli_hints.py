@@ -88,3 +88,16 @@ def test_a_backend_named_for_the_wrong_format_points_at_the_one_that_reads_it(is
     with pytest.raises(BackendError, match=r"is a transformers checkpoint.*backend 'ggufer' does not load that: use backend = 'tensors'"):
         LLM("org/model", backend="ggufer")
     assert loaded == []
+
+
+def test_a_call_dict_takes_openais_names_over_the_defaults(fake: Any) -> None:
+    """``generate(p, {"max_tokens": 3})`` as a vLLM or OpenAI user writes it (the defaults always set
+    max_new_tokens, which used to clash with the alias)."""
+    from lmdock import ConfigError
+
+    with LLM("m", backend="fake") as llm:
+        out = llm.generate([[1, 5]], {"max_tokens": 3, "temperature": 0, "ignore_eos": True})[0].outputs[0]
+        assert len(out.token_ids) == 3
+        assert llm.sampling_params({"max_tokens": 7}).max_new_tokens == 7
+        with pytest.raises(ConfigError, match="'max_tokens' is another name for 'max_new_tokens'"):
+            llm.sampling_params({"max_tokens": 7, "max_new_tokens": 8})

@@ -23,7 +23,7 @@ from lmdock._params import SamplingParams
 from lmdock._pooling_calls import PoolingArg, PoolingCalls
 from lmdock._progress import Progress
 from lmdock._prompts import Prompt, as_batch, indexed, indexed_error
-from lmdock._schema import build
+from lmdock._schema import build, resolve_aliases
 from lmdock._sinks import AsyncQueueSink, QueueSink, RequestFuture
 
 #: Sampling parameters as a call takes them: complete params, overrides of the defaults, or None.
@@ -148,8 +148,9 @@ class LLM:
             return self._defaults
         if isinstance(params, SamplingParams):
             return params
-        if isinstance(params, dict):
-            return build(SamplingParams, {**_all_fields(self._defaults), **params}, source="<call>", prefix="sampling_params")
+        if isinstance(params, dict):  # the call's names (max_tokens...) resolved before the defaults join them
+            call = resolve_aliases(SamplingParams, params, source="<call>", prefix="sampling_params")
+            return build(SamplingParams, {**_all_fields(self._defaults), **call}, source="<call>", prefix="sampling_params")
         raise TypeError(f"sampling_params must be SamplingParams, a dict or None, not {type(params).__name__}")
 
     # -- requests -------------------------------------------------------------------------------

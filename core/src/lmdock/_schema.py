@@ -118,21 +118,29 @@ def unknown_key(key: str, allowed: Any, aliases: dict[str, str] | None = None) -
     return f"unknown key {key!r}; allowed keys: {', '.join(allowed)}"
 
 
+def resolve_aliases(cls: type, data: dict[str, Any], *, source: str | None = None, prefix: str = "") -> dict[str, Any]:
+    """``data`` with each key in the class's ``ALIASES`` read as the field it names; both given with
+    different values is a ConfigError naming the alias."""
+    aliases: dict[str, str] = getattr(cls, "ALIASES", {})
+    if not any(k in aliases for k in data):
+        return data
+    data = dict(data)
+    for alias, name in aliases.items():
+        if alias in data:
+            if name in data and data[name] != data[alias]:
+                key = f"{prefix}.{alias}" if prefix else alias
+                raise ConfigError(f"{alias!r} is another name for {name!r}: give one of them", source=source, key=key)
+            data[name] = data.pop(alias)
+    return data
+
+
 def build(cls: type[T], data: dict[str, Any], *, source: str | None = None, prefix: str = "") -> T:
     """Construct dataclass ``cls`` from ``data``, rejecting unknown keys and wrong types.
 
     A key in the class's ``ALIASES`` (``SamplingParams``: vLLM's and OpenAI's ``max_tokens``...) is
     read as the field it names."""
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
-    aliases: dict[str, str] = getattr(cls, "ALIASES", {})
-    if any(k in aliases for k in data):
-        data = dict(data)
-        for alias, name in aliases.items():
-            if alias in data:
-                if name in data and data[name] != data[alias]:
-                    key = f"{prefix}.{alias}" if prefix else alias
-                    raise ConfigError(f"{alias!r} is another name for {name!r}: give one of them", source=source, key=key)
-                data[name] = data.pop(alias)
+    data = resolve_aliases(cls, data, source=source, prefix=prefix)
     unknown = sorted(set(data) - set(fields))
     if unknown:
         key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
