@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,10 +55,10 @@ class ServerState:
                            param="model", code="model_not_found")
         return sm
 
-    def sampling_params(self, sm: ServedModel, overrides: dict[str, Any], sent: Mapping[str, Any] | None = None) -> Any:
+    def sampling_params(self, sm: ServedModel, overrides: dict[str, Any], sent: Any = None) -> Any:
         """``sm``'s default SamplingParams with a request's overrides; a bad value, or more work than
         ``[server]`` lets one request ask for, is a 400 naming the field and the limit.  ``sent``: the
-        request's own fields, so an error names the one the client used (``max_tokens``, not
+        request body (read only on an error), so an error names the one the client used (``max_tokens``, not
         ``max_new_tokens``)."""
         try:
             params = sm.llm.sampling_params(overrides)
@@ -87,12 +86,12 @@ class ServerState:
                                 "([server] max_stop_length)", param="stop")
 
 
-def in_client_terms(exc: ConfigError, sent: Mapping[str, Any] | None) -> APIError:
+def in_client_terms(exc: ConfigError, sent: Any) -> APIError:
     """A SamplingParams error as a 400 in the request's own field names (OpenAI's, where it sent them)."""
     field = (exc.key or "").removeprefix("sampling_params.")
     names = [name for name, target in OPENAI_FIELDS.items() if target == field]
     # the last one the request sent is the one that took effect (overrides() applies the table in order)
-    client = next((n for n in reversed(names) if sent and sent.get(n) is not None), names[0] if names else field) or None
+    client = next((n for n in reversed(names) if getattr(sent, n, None) is not None), names[0] if names else field) or None
     message = str(exc).split(": ", 2)[-1] if exc.key else str(exc)
     return APIError(400, f"{client}: {message}" if client else message, param=client)
 

@@ -32,7 +32,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     retry = st.retry_after
     sm = st.model(body.model)
     prompts = body.prompts()
-    params = st.sampling_params(sm, body.overrides(), body.model_dump())
+    params = st.sampling_params(sm, body.overrides(), body)
     admission, streams, firsts = await submit_admitted(request, st, sm, prompts, params, max_tokens_field=body.max_tokens_field())
     reply = _Reply(body, sm.name, sm.llm.tokenizer, prompts, params.n)
     if body.stream:
