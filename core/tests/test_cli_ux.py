@@ -173,7 +173,7 @@ def test_batch_runs_resumes_and_isolates_bad_lines(fake: object, tmp_path: Path)
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     good = [
         {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "x", "prompt": "ab", "max_tokens": 4, "temperature": 0}},
-        {"custom_id": "b", "body": {"prompt": "cde", "max_tokens": 3, "n": 2, "seed": 1}},
+        {"custom_id": "b", "body": {"prompt": ["cde"], "max_tokens": 3, "n": 2, "seed": 1}},
     ]
     bad = [
         {"custom_id": "c", "body": {"prompt": "ab", "max_tokenz": 4}},
@@ -181,12 +181,15 @@ def test_batch_runs_resumes_and_isolates_bad_lines(fake: object, tmp_path: Path)
         {"custom_id": "e", "url": "/v1/moderations", "body": {"input": "ab"}},
         {"custom_id": "g", "method": "GET", "body": {"prompt": "ab"}},
         {"custom_id": "h", "url": "/v1/embeddings", "body": {"input": "ab", "max_tokens": 3}},
-        {"custom_id": "i", "url": "/v1/chat/completions", "body": {"messages": [], "top_logprobs": 2}},
+        {"custom_id": "i", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "ab"}], "top_logprobs": 2}},
+        {"custom_id": "j", "body": {"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"},
+                                                                            {"type": "image_url", "image_url": {"url": "x"}}]}]}},
+        {"custom_id": "k", "body": {"prompt": ["ab", "cd"]}},
     ]
     src.write_text("".join(json.dumps(r) + "\n" for r in [good[0], *bad, good[1]]))
     assert main(["batch", str(src), str(dst), "-m", "m", "--backend", "fake"]) == 1
     out = {r["custom_id"]: r for r in _lines(dst)}
-    assert len(_lines(dst)) == 8
+    assert len(_lines(dst)) == 10
     assert out["a"]["response"]["body"]["choices"][0]["finish_reason"] in ("length", "stop")  # type: ignore[index]
     assert out["a"]["response"]["body"]["choices"][0]["logprobs"] is None  # type: ignore[index]
     assert out["a"]["response"]["body"]["usage"]["completion_tokens"] <= 4  # type: ignore[index]
@@ -198,6 +201,8 @@ def test_batch_runs_resumes_and_isolates_bad_lines(fake: object, tmp_path: Path)
     assert "method 'GET'" in errors["g"]
     assert "'max_tokens' is not supported for /v1/embeddings" in errors["h"]
     assert "top_logprobs needs logprobs: true" in errors["i"]
+    assert "messages[0].content[1] is a 'image_url' part" in errors["j"]
+    assert "prompt holds 2 prompts" in errors["k"]
     # with greedy sampling the same line gives the same text as generate
     with LLM("m", backend="fake") as llm:
         want = llm.generate("ab", {"max_new_tokens": 4, "temperature": 0})[0].outputs[0].text
@@ -208,9 +213,9 @@ def test_batch_runs_resumes_and_isolates_bad_lines(fake: object, tmp_path: Path)
     src.write_text(src.read_text() + json.dumps({"custom_id": "f", "body": {"prompt": "cde", "max_tokens": 2}}) + "\n")
     assert main(["batch", str(src), str(dst), "-m", "m", "--backend", "fake"]) == 0
     assert dst.read_text().startswith(before)
-    assert [r["custom_id"] for r in _lines(dst)[8:]] == ["f"]
+    assert [r["custom_id"] for r in _lines(dst)[10:]] == ["f"]
     assert main(["batch", str(src), str(dst), "-m", "m", "--backend", "fake"]) == 0  # nothing left to run
-    assert len(_lines(dst)) == 9
+    assert len(_lines(dst)) == 11
 
 
 def test_batch_refuses_a_file_whose_lines_cannot_be_resumed(fake: object, tmp_path: Path,

@@ -127,8 +127,6 @@ class _Runner:
             prompt: Any = llm.tokenizer.encode(text, add_special_tokens=False)  # the template wrote BOS
         else:
             prompt = body["prompt"]
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]
         return llm.generate_async(prompt, params)  # type: ignore[no-any-return]
 
     def drain(self) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 from lmdock._errors import ConfigError
 from lmdock._openai_embeddings import ENCODING_FORMATS, embedding_prompts
 from lmdock._params import OPENAI_FIELDS
+from lmdock._prompts import non_text_part
 
 #: Each endpoint, and the body field that holds its input.
 URLS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages", "/v1/embeddings": "input"}
@@ -115,7 +116,23 @@ def done_ids(output: Path) -> set[str]:
 
 def parse_request(line: Line) -> Request:
     """The request one line makes; LineError for what cannot be honoured."""
-    record = line.record
+    url, body = endpoint(line.record)
+    known = FIELDS[url] | IGNORED | (set() if url == "/v1/embeddings" else set(OPENAI_FIELDS))
+    for key, value in body.items():
+        if value is not None and key not in known:
+            raise LineError("invalid_request", f"body field {key!r} is not supported for {url}{_hint(key, known)}")
+    if url == "/v1/embeddings":
+        check_embedding_body(body)
+        return Request(url, body)
+    if url == "/v1/chat/completions":
+        check_messages(body["messages"])
+    else:
+        body = {**body, "prompt": one_prompt(body["prompt"])}
+    return Request(url, body, logprobs_wanted(url, body))
+
+
+def endpoint(record: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A line's ``url`` (given, or told by its body's input field) and ``body``."""
     for key in record:
         if key not in _RECORD_KEYS:
             raise LineError("invalid_request", f"unknown key {key!r}{_hint(key, _RECORD_KEYS)}; a line holds "
@@ -134,16 +151,7 @@ def parse_request(line: Line) -> Request:
         raise LineError("invalid_url", f"url {url!r} is not supported; use {', '.join(URLS)}")
     if body.get(URLS[url]) is None:
         raise LineError("invalid_request", f"body has no {URLS[url]!r} (what {url} runs on)")
-    known = FIELDS[url] | IGNORED | (set() if url == "/v1/embeddings" else set(OPENAI_FIELDS))
-    for key, value in body.items():
-        if value is not None and key not in known:
-            raise LineError("invalid_request", f"body field {key!r} is not supported for {url}{_hint(key, known)}")
-    request = Request(url, body)
-    if url == "/v1/embeddings":
-        check_embedding_body(body)
-    else:
-        request.logprobs = logprobs_wanted(url, body)
-    return request
+    return url, body
 
 
 def _hint(key: str, known: Any) -> str:
@@ -176,6 +184,25 @@ def sampling_overrides(request: Request) -> dict[str, Any]:
     if request.logprobs is not None:
         out["logprobs"] = request.logprobs
     return out
+
+
+def check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise LineError("invalid_request", "messages must be a non-empty list of message objects")
+    found = non_text_part(messages)
+    if found is not None:
+        raise LineError("invalid_request", f"{found[0]} is a {found[1]!r} part; lmdock serves text models, which "
+                                           "would not see it: send text parts only")
+
+
+def one_prompt(prompt: Any) -> Any:
+    """The line's one prompt (a string or token ids; a list holding one of them is that one)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > 1:
+            raise LineError("invalid_request", f"prompt holds {len(prompt)} prompts; lmdock batch runs one prompt "
+                                               "per line: give each its own line (and custom_id)")
+        return prompt[0]
+    return prompt
 
 
 def check_embedding_body(body: dict[str, Any]) -> None:
