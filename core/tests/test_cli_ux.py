@@ -173,25 +173,36 @@ def test_batch_runs_resumes_and_isolates_bad_lines(fake: object, tmp_path: Path)
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     good = [
         {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "x", "prompt": "ab", "max_tokens": 4, "temperature": 0}},
-        {"custom_id": "b", "body": {"prompt": "cde", "max_tokens": 3, "n": 2, "seed": 1}},
+        {"custom_id": "b", "body": {"prompt": ["cde"], "max_tokens": 3, "n": 2, "seed": 1}},
     ]
     bad = [
-        "{not json",
-        json.dumps({"custom_id": "c", "body": {"prompt": "ab", "max_tokenz": 4}}),
-        json.dumps({"custom_id": "d", "body": {"prompt": "ab", "temperature": -1}}),
-        json.dumps({"custom_id": "e", "url": "/v1/embeddings", "body": {"input": "ab"}}),
+        {"custom_id": "c", "body": {"prompt": "ab", "max_tokenz": 4}},
+        {"custom_id": "d", "body": {"prompt": "ab", "temperature": -1}},
+        {"custom_id": "e", "url": "/v1/moderations", "body": {"input": "ab"}},
+        {"custom_id": "g", "method": "GET", "body": {"prompt": "ab"}},
+        {"custom_id": "h", "url": "/v1/embeddings", "body": {"input": "ab", "max_tokens": 3}},
+        {"custom_id": "i", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "ab"}], "top_logprobs": 2}},
+        {"custom_id": "j", "body": {"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"},
+                                                                            {"type": "image_url", "image_url": {"url": "x"}}]}]}},
+        {"custom_id": "k", "body": {"prompt": ["ab", "cd"]}},
     ]
-    src.write_text("\n".join([json.dumps(good[0]), *bad, json.dumps(good[1])]) + "\n")
+    src.write_text("".join(json.dumps(r) + "\n" for r in [good[0], *bad, good[1]]))
     assert main(["batch", str(src), str(dst), "-m", "m", "--backend", "fake"]) == 1
     out = {r["custom_id"]: r for r in _lines(dst)}
-    assert len(_lines(dst)) == 6
+    assert len(_lines(dst)) == 10
     assert out["a"]["response"]["body"]["choices"][0]["finish_reason"] in ("length", "stop")  # type: ignore[index]
+    assert out["a"]["response"]["body"]["choices"][0]["logprobs"] is None  # type: ignore[index]
     assert out["a"]["response"]["body"]["usage"]["completion_tokens"] <= 4  # type: ignore[index]
     assert len(out["b"]["response"]["body"]["choices"]) == 2  # type: ignore[index]
-    assert "did you mean 'max_tokens'" in out["c"]["error"]["message"]  # type: ignore[index]
-    assert "temperature" in out["d"]["error"]["message"]  # type: ignore[index]
-    assert "/v1/embeddings" in out["e"]["error"]["message"]  # type: ignore[index]
-    assert out[None]["error"]["code"] == "invalid_json"  # type: ignore[index]
+    errors = {k: r["error"]["message"] for k, r in out.items() if r["error"]}  # type: ignore[index]
+    assert errors["c"].startswith("line 2: ") and "did you mean 'max_tokens'" in errors["c"]
+    assert "temperature" in errors["d"]
+    assert "/v1/moderations" in errors["e"] and "/v1/embeddings" in errors["e"]
+    assert "method 'GET'" in errors["g"]
+    assert "'max_tokens' is not supported for /v1/embeddings" in errors["h"]
+    assert "top_logprobs needs logprobs: true" in errors["i"]
+    assert "messages[0].content[1] is a 'image_url' part" in errors["j"]
+    assert "prompt holds 2 prompts" in errors["k"]
     # with greedy sampling the same line gives the same text as generate
     with LLM("m", backend="fake") as llm:
         want = llm.generate("ab", {"max_new_tokens": 4, "temperature": 0})[0].outputs[0].text
@@ -199,10 +210,41 @@ def test_batch_runs_resumes_and_isolates_bad_lines(fake: object, tmp_path: Path)
 
     # resumable: everything with a custom_id in the output is skipped; a new line runs
     before = dst.read_text()
-    src.write_text(src.read_text() + json.dumps({"custom_id": "f", "body": {"messages": [{"role": "user", "content": "x"}]}}) + "\n")
-    assert main(["batch", str(src), str(dst), "-m", "m", "--backend", "fake"]) == 1
-    after = _lines(dst)
+    src.write_text(src.read_text() + json.dumps({"custom_id": "f", "body": {"prompt": "cde", "max_tokens": 2}}) + "\n")
+    assert main(["batch", str(src), str(dst), "-m", "m", "--backend", "fake"]) == 0
     assert dst.read_text().startswith(before)
-    new = [r["custom_id"] for r in after[6:]]
-    assert new == [None, "f"]  # the unparseable line has no custom_id, so it is reported again
-    assert "chat template" in after[-1]["error"]["message"]  # type: ignore[index]  # the fake has none
+    assert [r["custom_id"] for r in _lines(dst)[10:]] == ["f"]
+    assert main(["batch", str(src), str(dst), "-m", "m", "--backend", "fake"]) == 0  # nothing left to run
+    assert len(_lines(dst)) == 11
+
+
+def test_batch_refuses_a_file_whose_lines_cannot_be_resumed(fake: object, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Every line needs a custom_id of its own (OpenAI's batch files require one, and a rerun skips the
+    ids already done): a line without one was appended again on every rerun; now nothing runs."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [{"custom_id": "a", "body": {"prompt": "ab"}}, {"body": {"prompt": "ab"}}, {"custom_id": "a", "body": {"prompt": "cd"}},
+             {"custom_id": 7, "body": {"prompt": "ab"}}]
+    src.write_text("".join(json.dumps(r) + "\n" for r in lines) + "\n{not json\n")
+    assert main(["batch", str(src), str(dst), "-m", "m", "--backend", "fake"]) == 2
+    err = capsys.readouterr().err
+    assert "line 2 has no custom_id" in err and "line 3 repeats custom_id 'a' of line 1" in err
+    assert "line 4 has no custom_id" in err and "line 6 is not JSON" in err and "nothing was run" in err
+    assert not dst.exists()
+
+
+def test_batch_chat_lines_need_a_template_and_take_chat_template(fake: object, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    src, dst, template = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "t.jinja"
+    line = {"custom_id": "q", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "ab"}], "max_tokens": 3}}
+    src.write_text(json.dumps(line) + "\n")
+    assert main(["batch", str(src), str(dst), "-m", "m", "--backend", "fake"]) == 2
+    err = capsys.readouterr().err
+    assert "no chat template" in err and "(line 1)" in err and "--chat-template FILE" in err
+    assert dst.read_text() == ""  # nothing was run, so a rerun with the template runs the line
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert main(["batch", str(src), str(dst), "-m", "m", "--backend", "fake", "--chat-template", str(template)]) == 0
+    (rec,) = _lines(dst)
+    assert rec["response"]["body"]["object"] == "chat.completion"  # type: ignore[index]
+    assert main(["batch", str(src), str(dst), "-m", "m", "--backend", "fake", "--chat-template", str(tmp_path / "nope")]) == 2
+    assert "cannot read the chat template" in capsys.readouterr().err

@@ -1,11 +1,17 @@
 """``lmdock batch INPUT.jsonl OUTPUT.jsonl``: OpenAI batch files, run offline.
 
-Each input line is ``{"custom_id": ..., "method": "POST", "url": "/v1/completions" or
-"/v1/chat/completions", "body": {"prompt": ... | "messages": [...], sampling fields...}}`` (``method``
-and ``url`` are optional: the body's ``prompt`` or ``messages`` says which).  Each output line is
-``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``, as OpenAI's batch
-output is, appended and flushed as each request finishes: an interrupted run loses nothing already
-done, and a rerun skips the ``custom_id`` values OUTPUT already holds.
+The lines (read and checked by ``_batch_lines``) run concurrently on one LLM: completions and chat
+through ``LLM.generate_async`` (continuous batching), embeddings through ``LLM.embed`` on worker
+threads (the pooling runner batches their calls together).  Each output line is ``{"id",
+"custom_id", "response": {"status_code", "request_id", "body"}, "error"}``, as OpenAI's batch output
+is, its body what ``lmdock serve`` answers (logprobs and embeddings in the same shapes, from the same
+``lmdock._logprobs`` and ``lmdock._openai_embeddings``), appended and flushed as each request
+finishes: an interrupted run loses nothing already done, and a rerun skips the custom_ids OUTPUT holds.
+
+A line that cannot run becomes an error line (``"response": null, "error": {"code", "message"}``).
+A model that cannot serve a kind of line at all (chat lines and no chat template, embeddings on a
+generative model) stops the run with one error instead: error lines for those would stand in the way
+of the rerun that fixes it (a rerun skips them).
 """
 
 from __future__ import annotations
@@ -16,187 +22,168 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
-from lmdock._errors import ConfigError, LmdockError
-from lmdock._params import OPENAI_FIELDS
+from lmdock._batch_lines import Line, LineError, Request, done_ids, parse_request, read_lines, sampling_overrides
+from lmdock._errors import LmdockError, UnsupportedError
+from lmdock._logprobs import chat_logprobs, legacy_logprobs
+from lmdock._openai_embeddings import embedding_prompts, embeddings_response
 from lmdock._progress import Progress
 
-#: Body fields accepted and not used: the model is the command's (-m), the output is never streamed.
-_IGNORED = {"model", "user", "stream"}
-_URLS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
 #: Requests in flight at once (the rest of the file waits, so a huge file does not fill the queue).
 WINDOW = 256
+#: Threads running embeddings lines (each waits on LLM.embed; the pooling runner batches them).
+EMBED_THREADS = 8
 
 
-class LineError(Exception):
-    """One input line cannot run; it becomes an error line and the others carry on."""
-
-    def __init__(self, code: str, message: str, custom_id: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.custom_id = custom_id
-
-
-def done_ids(output: Path) -> set[str]:
-    """The custom_id values OUTPUT already holds (a torn last line, from a killed run, is ignored)."""
-    ids: set[str] = set()
-    if not output.exists():
-        return ids
-    with output.open(encoding="utf-8") as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and isinstance(record.get("custom_id"), str):
-                ids.add(record["custom_id"])
-    return ids
-
-
-def parse_line(lineno: int, line: str) -> tuple[str, str, dict[str, Any]]:
-    """``(custom_id, kind, body)`` of one input line; kind is ``prompt`` or ``messages``."""
-    try:
-        record = json.loads(line)
-    except ValueError as exc:
-        raise LineError("invalid_json", f"line {lineno}: not JSON: {exc}") from None
-    if not isinstance(record, dict):
-        raise LineError("invalid_request", f"line {lineno}: expected a JSON object")
-    custom_id = record.get("custom_id")
-    if not isinstance(custom_id, str) or not custom_id:
-        raise LineError("invalid_request", f"line {lineno}: missing custom_id (a non-empty string)")
-    body = record.get("body")
-    if not isinstance(body, dict):
-        raise LineError("invalid_request", "missing body (an object with prompt or messages)", custom_id)
-    url = record.get("url")
-    if url is not None and url not in _URLS:
-        raise LineError("invalid_url", f"url {url!r} is not supported; use {' or '.join(_URLS)}", custom_id)
-    kind = _URLS.get(url) if url else ("messages" if "messages" in body else "prompt")
-    if kind not in body:
-        raise LineError("invalid_request", f"body has no {kind!r}", custom_id)
-    return custom_id, kind, body
-
-
-def sampling_overrides(body: dict[str, Any], kind: str) -> dict[str, Any]:
-    """The body's sampling fields as SamplingParams overrides; an unknown field is this line's error."""
-    out: dict[str, Any] = {}
-    for key, value in body.items():
-        if key == kind or key in _IGNORED or value is None:
-            continue
-        if key not in OPENAI_FIELDS:
-            import difflib
-
-            close = difflib.get_close_matches(key, list(OPENAI_FIELDS), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; supported: {', '.join(sorted(OPENAI_FIELDS))}"
-            raise LineError("invalid_request", f"body field {key!r} is not supported{hint}")
-        out[OPENAI_FIELDS[key]] = value
-    return out
-
-
-def _result(custom_id: str, kind: str, model: str, out: Any, n: int) -> dict[str, Any]:
-    prompt_tokens = len(out.prompt_token_ids or [])
-    completion_tokens = sum(len(c.token_ids) for c in out.outputs)
-    if kind == "messages":
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
-                   for c in out.outputs]
-        obj = "chat.completion"
-    else:
-        choices = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason} for c in out.outputs]
-        obj = "text_completion"
-    body = {"id": out.request_id, "object": obj, "created": int(time.time()), "model": model, "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}
-    return {"id": f"batch_req_{out.request_id}", "custom_id": custom_id,
-            "response": {"status_code": 200, "request_id": out.request_id, "body": body}, "error": None}
-
-
-def _error(custom_id: str | None, code: str, message: str) -> dict[str, Any]:
-    return {"id": None, "custom_id": custom_id, "response": None, "error": {"code": code, "message": message}}
-
-
-def run_batch(args: argparse.Namespace) -> int:
+def run_batch(args: argparse.Namespace, chat_template: str | None = None) -> int:
+    """Run INPUT's lines not yet in OUTPUT; 0 when all ran, 1 when some became error lines.
+    ``chat_template``: the text of ``--chat-template``, used for every chat line."""
     from lmdock._llm import LLM
 
     src, dst = Path(args.input), Path(args.output)
-    try:
-        lines = src.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the batch input: {exc.strerror}", source=str(src)) from None
-    skip = done_ids(dst)
-    todo = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
-    ids_seen: set[str] = set()
-    failed = 0
-    with LLM(args.model, backend=args.backend, config=args.config) as llm, dst.open("a", encoding="utf-8") as out_file:
-        def write(record: dict[str, Any]) -> None:
-            out_file.write(json.dumps(record, ensure_ascii=False) + "\n")
-            out_file.flush()
+    done = done_ids(dst)
+    todo = [line for line in read_lines(src) if line.custom_id not in done]
+    if not todo:
+        print(f"lmdock batch: every line of {src} already has its result in {dst}", file=sys.stderr)
+        return 0
+    requests = [_parse(line) for line in todo]
+    progress = Progress(len(todo), not args.no_progress and sys.stderr.isatty(), label="Requests")
+    with LLM(args.model, backend=args.backend, config=args.config) as llm, dst.open("a", encoding="utf-8") as out:
+        runner = _Runner(llm, out, chat_template, progress)
+        runner.check_chat_template(todo, requests)
+        with concurrent.futures.ThreadPoolExecutor(EMBED_THREADS, thread_name_prefix="lmdock-batch-embed") as pool:
+            runner.run(todo, requests, pool)
+    if runner.failed:
+        print(f"lmdock batch: {runner.failed} of {len(todo)} lines failed; see their error lines in {dst}", file=sys.stderr)
+    return 1 if runner.failed else 0
 
-        model = llm.model_config.name or llm.model_config.model
-        jobs: list[tuple[int, str]] = []
-        for lineno, line in todo:
-            try:
-                custom_id = json.loads(line).get("custom_id")
-            except (ValueError, AttributeError):
-                custom_id = None
-            if isinstance(custom_id, str) and custom_id in skip:
-                continue
-            jobs.append((lineno, line))
-        progress = Progress(len(jobs), not args.no_progress and sys.stderr.isatty() and len(jobs) > 0, label="Requests")
-        pending: dict[concurrent.futures.Future[Any], tuple[str, str, int]] = {}
+
+def _parse(line: Line) -> Request | LineError:
+    try:
+        return parse_request(line)
+    except LineError as exc:
+        return exc
+
+
+class _Runner:
+    """The lines of one run in flight on ``llm``, each result written to ``out`` as it finishes."""
+
+    def __init__(self, llm: Any, out: TextIO, chat_template: str | None, progress: Progress) -> None:
+        self.llm, self.out, self.chat_template, self.progress = llm, out, chat_template, progress
+        self.model = llm.model_config.name or llm.model_config.model
+        self.pending: dict[concurrent.futures.Future[Any], tuple[Line, Request]] = {}
+        self.failed = 0
+        self.stopped: UnsupportedError | None = None  # the model cannot serve a kind of line: no more are submitted
+
+    def check_chat_template(self, lines: list[Line], requests: list[Request | LineError]) -> None:
+        """Chat lines need a template: ``--chat-template`` or the model's own (checked before any runs)."""
+        chats = [line.lineno for line, r in zip(lines, requests) if isinstance(r, Request) and r.url == "/v1/chat/completions"]
+        tok = self.llm.tokenizer
+        if chats and self.chat_template is None and tok is not None and not getattr(tok, "chat_template", None):
+            shown = ", ".join(map(str, chats[:5])) + (f" and {len(chats) - 5} more" if len(chats) > 5 else "")
+            raise LmdockError(f"model {self.llm.model_config.model!r} has no chat template for the /v1/chat/completions "
+                              f"lines (line {shown}): pass --chat-template FILE (a Jinja template); nothing was run")
+
+    def run(self, lines: list[Line], requests: list[Request | LineError], pool: concurrent.futures.Executor) -> None:
+        """Submit the lines (WINDOW in flight at most) and write every result; when the model cannot
+        serve a kind of line, the lines in flight still finish and are written, then that error is raised."""
         try:
-            for lineno, line in jobs:
-                while len(pending) >= WINDOW:
-                    failed += _drain(pending, write, progress, model, first=True)
-                custom_id: str | None = None
+            for line, request in zip(lines, requests):
+                while len(self.pending) >= WINDOW:
+                    self.drain()
+                if self.stopped is not None:
+                    break
+                if isinstance(request, LineError):
+                    self.write_error(line, request.code, str(request))
+                    continue
                 try:
-                    custom_id, kind, body = parse_line(lineno, line)
-                    if custom_id in ids_seen:
-                        raise LineError("duplicate_custom_id", f"custom_id {custom_id!r} appears twice in the input")
-                    ids_seen.add(custom_id)
-                    params = llm.sampling_params(sampling_overrides(body, kind))
-                    if kind == "messages":
-                        text = llm.render_chat(body["messages"])
-                        prompt: Any = llm.tokenizer.encode(text, add_special_tokens=False)
-                    else:
-                        prompt = body["prompt"]
-                        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                            prompt = prompt[0]
-                    fut = llm.generate_async(prompt, params)
-                except LineError as exc:
-                    write(_error(custom_id or exc.custom_id, exc.code, str(exc)))
-                    failed += 1
-                    progress.update(0)
-                    continue
+                    self.pending[self.submit(request, pool)] = (line, request)
+                except UnsupportedError as exc:
+                    self.stopped = _cannot(line, request, exc)
                 except LmdockError as exc:
-                    write(_error(custom_id, "invalid_request", str(exc)))
-                    failed += 1
-                    progress.update(0)
-                    continue
-                pending[fut] = (custom_id, kind, params.n)
-            while pending:
-                failed += _drain(pending, write, progress, model, first=False)
+                    self.write_error(line, "invalid_request", str(exc))
+            while self.pending:
+                self.drain()
         except BaseException:
-            for fut in pending:
+            for fut in self.pending:
                 fut.cancel()
             raise
-    if failed:
-        print(f"lmdock batch: {failed} of {len(jobs)} lines failed; see their error lines in {dst}", file=sys.stderr)
-    return 0 if not failed else 1
+        if self.stopped is not None:
+            raise self.stopped
+
+    def submit(self, request: Request, pool: concurrent.futures.Executor) -> concurrent.futures.Future[Any]:
+        llm, body = self.llm, request.body
+        if request.url == "/v1/embeddings":
+            from lmdock._params import PoolingParams
+            from lmdock._schema import build
+
+            fields = {k: body[k] for k in ("dimensions", "truncate_prompt_tokens") if body.get(k) is not None}
+            pooling = build(PoolingParams, fields, source="<line>", prefix="body") if fields else None
+            return pool.submit(llm.embed, embedding_prompts(body["input"]), pooling)
+        params = llm.sampling_params(sampling_overrides(request))
+        if request.url == "/v1/chat/completions":
+            text = llm.render_chat(body["messages"], self.chat_template)
+            prompt: Any = llm.tokenizer.encode(text, add_special_tokens=False)  # the template wrote BOS
+        else:
+            prompt = body["prompt"]
+        return llm.generate_async(prompt, params)  # type: ignore[no-any-return]
+
+    def drain(self) -> None:
+        """Write the results that have finished (at least one)."""
+        finished, _ = concurrent.futures.wait(list(self.pending), return_when=concurrent.futures.FIRST_COMPLETED)
+        for fut in finished:
+            line, request = self.pending.pop(fut)
+            try:
+                result = fut.result()
+            except UnsupportedError as exc:
+                self.stopped = self.stopped or _cannot(line, request, exc)
+                continue
+            except LmdockError as exc:
+                self.write_error(line, "request_failed", str(exc))
+                continue
+            if request.url == "/v1/embeddings":
+                fmt = request.body.get("encoding_format") or "float"
+                body, request_id, tokens = embeddings_response(result, self.model, fmt), result[0].request_id, 0
+            else:
+                body, request_id = self.completion_body(request, result), result.request_id
+                tokens = sum(len(c.token_ids) for c in result.outputs)
+            self.write({"id": f"batch_req_{request_id}", "custom_id": line.custom_id,
+                        "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None})
+            self.progress.update(tokens)
+
+    def completion_body(self, request: Request, out: Any) -> dict[str, Any]:
+        """The body ``lmdock serve`` answers for one prompt (its choices, logprobs as the server writes them)."""
+        tok, k, chat = self.llm.tokenizer, request.logprobs, request.url == "/v1/chat/completions"
+        context = list(out.prompt_token_ids or [])  # what the first token's text follows
+        choices = []
+        for c in out.outputs:
+            ids, positions = list(c.token_ids), list(c.logprobs or [])
+            if chat:
+                lp = None if k is None else {"content": chat_logprobs(tok, ids, positions, k, context)}
+                choice: dict[str, Any] = {"index": c.index, "message": {"role": "assistant", "content": c.text}}
+            else:
+                lp = None if k is None else legacy_logprobs(tok, ids, positions, 0, context)
+                choice = {"index": c.index, "text": c.text}
+            choices.append({**choice, "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        prompt_tokens, completion_tokens = len(context), sum(len(c.token_ids) for c in out.outputs)
+        return {"id": out.request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": self.model, "choices": choices,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.out.flush()
+
+    def write_error(self, line: Line, code: str, message: str) -> None:
+        self.write({"id": None, "custom_id": line.custom_id, "response": None,
+                    "error": {"code": code, "message": f"line {line.lineno}: {message}"}})
+        self.failed += 1
+        self.progress.update(0)
 
 
-def _drain(pending: dict[Any, tuple[str, str, int]], write: Any, progress: Progress, model: str, first: bool) -> int:
-    """Write the results that have finished (at least one); returns how many were errors."""
-    done, _ = concurrent.futures.wait(list(pending), return_when=concurrent.futures.FIRST_COMPLETED)
-    failed = 0
-    for fut in done:
-        custom_id, kind, n = pending.pop(fut)
-        try:
-            out = fut.result()
-        except LmdockError as exc:
-            write(_error(custom_id, "request_failed", str(exc)))
-            failed += 1
-            progress.update(0)
-            continue
-        write(_result(custom_id, kind, model, out, n))
-        progress.update(sum(len(c.token_ids) for c in out.outputs))
-    return failed
+def _cannot(line: Line, request: Request, exc: UnsupportedError) -> UnsupportedError:
+    """The run's error when the model cannot serve a kind of line at all (the lines done stay in OUTPUT)."""
+    return UnsupportedError(f"line {line.lineno} ({request.url}): {exc}; run the {request.url} lines with a model "
+                            "that serves them (-m MODEL); the results written stay in OUTPUT and a rerun skips them")

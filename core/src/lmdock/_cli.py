@@ -107,13 +107,16 @@ def _parser() -> Parser:
 
     bt = sub.add_parser(
         "batch", help="run an OpenAI-style batch file (JSONL) and write one result line per input",
-        description="Run every line of INPUT (OpenAI batch-file lines: custom_id, and body with prompt or messages "
-        "and sampling fields) and append one result line per input to OUTPUT, flushed as each finishes. Lines "
-        "whose custom_id is already in OUTPUT are skipped, so an interrupted run resumes where it stopped; "
-        "a bad line becomes an error line of its own.")
+        description="Run every line of INPUT (OpenAI batch-file lines: custom_id, url /v1/completions, "
+        "/v1/chat/completions or /v1/embeddings, and body) and append one result line per input to OUTPUT, "
+        "flushed as each finishes. Every line needs a custom_id of its own: lines whose custom_id is already in "
+        "OUTPUT are skipped, so an interrupted run resumes where it stopped; a bad line becomes an error line "
+        "of its own. See docs/cli.md.")
     bt.add_argument("input", metavar="INPUT.jsonl")
     bt.add_argument("output", metavar="OUTPUT.jsonl")
     _model_args(bt)
+    bt.add_argument("--chat-template", metavar="FILE",
+                    help="a Jinja chat template file for the /v1/chat/completions lines (as lmdock serve's)")
     bt.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal)")
     bt.set_defaults(func=cmd_batch)
     e = sub.add_parser("embed", help="print embeddings of texts as JSON (an embedding model)")
@@ -380,17 +383,21 @@ def cmd_embed(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_chat(args: argparse.Namespace) -> int:
-    template = None
-    if args.chat_template:
-        try:
-            with open(args.chat_template, encoding="utf-8") as f:
-                template = f.read()
-        except OSError as exc:
-            from lmdock._errors import ConfigError
+def _read_template(path: str | None) -> str | None:
+    """The text of a ``--chat-template FILE``, or None without one."""
+    if not path:
+        return None
+    try:
+        return Path(path).expanduser().read_text(encoding="utf-8")
+    except OSError as exc:
+        from lmdock._errors import ConfigError
 
-            raise ConfigError(f"cannot read chat template: {exc.strerror}", source=args.chat_template) from None
-    else:  # checked before the model is loaded where the files tell
+        raise ConfigError(f"cannot read the chat template: {exc.strerror}", source=path) from None
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    template = _read_template(args.chat_template)
+    if template is None:  # checked before the model is loaded where the files tell
         from lmdock._errors import RequestError
         from lmdock._loader import resolve_model
 
@@ -444,7 +451,9 @@ def _chat_turn(llm: Any, messages: list[dict[str, str]], params: Any, template: 
 def cmd_batch(args: argparse.Namespace) -> int:
     from lmdock._batch import run_batch
 
-    return run_batch(args)
+    return run_batch(args, _read_template(args.chat_template))
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         from lmdock.server import serve

@@ -16,6 +16,7 @@ from pydantic_core import PydanticCustomError
 
 from lmdock._outputs import RequestOutput
 from lmdock._params import OPENAI_FIELDS
+from lmdock._prompts import non_text_part
 from lmdock.server._errors import APIError
 
 
@@ -161,13 +162,11 @@ class ChatRequest(_Sampling):
     def _text_parts_only(self) -> ChatRequest:
         """Content parts other than text (``image_url``, ``input_audio``...) are refused: the served
         models read text, and a part they would never see must not pass as if it had been."""
-        for i, message in enumerate(self.messages):
-            content = message.get("content")
-            for j, part in enumerate(content if isinstance(content, list) else ()):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                if kind != "text":
-                    raise APIError(400, f"messages[{i}].content[{j}] is a {kind!r} part; lmdock serves text models, which "
-                                        "would not see it: send text parts only", param=f"messages.{i}.content.{j}.type")
+        found = non_text_part(self.messages)
+        if found is not None:
+            where, kind = found
+            raise APIError(400, f"{where} is a {kind!r} part; lmdock serves text models, which would not see it: "
+                                "send text parts only", param=where.replace("[", ".").replace("]", "") + ".type")
         return self
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)

@@ -12,10 +12,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from lmdock._errors import LmdockError
+from lmdock._logprobs import chat_logprobs
 from lmdock._outputs import RequestOutput
 from lmdock._params import ServerConfig
 from lmdock.server._errors import APIError, as_api_error
-from lmdock.server._logprobs import chat_logprobs
 from lmdock.server._protocol import ChatRequest, usage
 from lmdock.server._state import ServedModel, state_of
 from lmdock.server._streaming import (

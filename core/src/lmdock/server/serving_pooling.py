@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
-import struct
 import time
 import uuid
 from collections.abc import Callable
@@ -13,6 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from lmdock._openai_embeddings import embedding_prompts, embeddings_response
 from lmdock.server._errors import APIError, as_api_error
 from lmdock.server._protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from lmdock.server._state import ServedModel, state_of
@@ -53,8 +52,7 @@ def _prompt_tokens(outs: list[Any]) -> int:
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     sm = state_of(request).model(body.model)
     fn = _pooling_method(sm, "embed", "embed")
-    inp = body.input
-    inputs: list[Any] = [inp] if isinstance(inp, str) or (inp and all(isinstance(x, int) for x in inp)) else list(inp)
+    inputs = embedding_prompts(body.input)
     if not inputs:
         raise APIError(400, "input is empty", param="input")
     pooling = None
@@ -66,15 +64,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
             raise APIError(400, "dimensions and truncate_prompt_tokens need lmdock.PoolingParams; upgrade lmdock")
         pooling = cls(**{k: v for k, v in (("dimensions", body.dimensions), ("truncate_prompt_tokens", body.truncate_prompt_tokens)) if v is not None})
     outs = await _run(sm, request, fn, inputs, pooling_params=pooling)
-    data = []
-    for i, o in enumerate(outs):
-        vec = list(o.outputs.embedding)
-        emb: Any = vec
-        if body.encoding_format == "base64":
-            emb = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
-        data.append({"object": "embedding", "index": i, "embedding": emb})
-    tokens = _prompt_tokens(outs)
-    return JSONResponse({"object": "list", "data": data, "model": sm.name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+    return JSONResponse(embeddings_response(outs, sm.name, body.encoding_format))
 
 
 @router.post("/v1/score")

@@ -1,4 +1,5 @@
-"""Logprobs in OpenAI's two shapes: the completions API's legacy lists and chat's per-token objects.
+"""Logprobs in OpenAI's two shapes: the completions API's legacy lists and chat's per-token objects,
+written by ``lmdock serve`` and ``lmdock batch`` alike (so this module imports nothing of the server).
 
 A token's string is the text it adds after the tokens before it, so the strings join to the text
 (SentencePiece writes a word's leading space as part of the token, and decoding a token alone drops
