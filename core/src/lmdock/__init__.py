@@ -7,6 +7,8 @@ first access (they pull asyncio, concurrent.futures and pluggy), so ``import lmd
 
 from __future__ import annotations
 
+from lmdock._aliases import QuantAlgo
+from lmdock._beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from lmdock._config import ConfigFile, config_schema, find_config, load_config
 from lmdock._errors import (
     BackendError,
@@ -41,6 +43,9 @@ from lmdock._params import (
 )
 from lmdock._tokenizer import Tokenizer
 
+#: vLLM's name for :class:`StructuredOutput` (``SamplingParams(structured_outputs=StructuredOutputsParams(json=...))``).
+StructuredOutputsParams = StructuredOutput
+
 __version__ = "0.1.0"
 
 #: Names imported on first access: name -> (module, attribute or None for the module itself).
@@ -72,6 +77,9 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "BackendError",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "BuildConfig",
     "CompletionOutput",
     "ConfigError",
@@ -87,6 +95,7 @@ __all__ = [
     "OffloadPolicy",
     "PluginError",
     "PoolingParams",
+    "QuantAlgo",
     "QuantConfig",
     "QueueFullError",
     "RequestError",
@@ -98,6 +107,7 @@ __all__ = [
     "ScoringRequestOutput",
     "ServerConfig",
     "StructuredOutput",
+    "StructuredOutputsParams",
     "Tokenizer",
     "UnsupportedError",
     "__version__",
