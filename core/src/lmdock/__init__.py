@@ -52,7 +52,9 @@ __version__ = "0.1.0"
 #: ``lmdock.backend`` is the backend authors' namespace, so ``import lmdock`` is enough to write
 #: ``lmdock.backend.BackendSpec``.
 _LAZY = {
+    "AsyncLM": ("lmdock._genlm", "AsyncLM"),
     "LLM": ("lmdock._llm", "LLM"),
+    "load_model_by_name": ("lmdock._genlm", "load_model_by_name"),
     "RequestFuture": ("lmdock._sinks", "RequestFuture"),
     "hookimpl": ("lmdock._hooks", "hookimpl"),
     "backend": ("lmdock.backend", None),
@@ -76,6 +78,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AsyncLM",
     "BackendError",
     "BeamSearchOutput",
     "BeamSearchParams",
@@ -115,4 +118,5 @@ __all__ = [
     "find_config",
     "hookimpl",
     "load_config",
+    "load_model_by_name",
 ]
