@@ -283,3 +283,16 @@ def test_an_editable_params_snapshot_is_what_the_request_holds(fake: Any) -> Non
         sp.max_tokens = 2
         assert request.params.max_new_tokens == 6 and type(request.params) is SamplingParams
         assert dataclasses.replace(request.params) == request.params
+
+
+def test_a_foreign_argument_overrides_one_key_of_the_config_files_backend_table(isolated: Path) -> None:
+    (isolated / "lmdock.toml").write_text('[models.m]\nmodel = "org/m"\n[models.m.backends.vllm]\nmax_logprobs = 8\n')
+    model, options, _ = constructor_options("m", {"enforce_eager": True})
+    mc = resolve_model(model, None, options)
+    assert mc.backends["vllm"] == {"max_logprobs": 8, "enforce_eager": True}
+    assert mc.build.compile is False
+
+
+def test_a_frozen_params_assignment_says_how_to_edit() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError, match=r"sp.clone\(\) or llm.get_default_sampling_params\(\) give an editable copy"):
+        SamplingParams().max_tokens = 5  # type: ignore[misc]

@@ -69,7 +69,9 @@ def _overlay(base: ModelConfig, options: dict[str, Any]) -> ModelConfig:
         else:
             entry[section] = value or current
     entry["sampling"] = {**base.sampling, **sampling_dict(options.get("sampling", {}))}
-    entry["backends"] = {**base.backends, **options.get("backends", {})}
+    # each backend's table field by field, as the sections (enforce_eager=True beside the file's [backends.vllm])
+    given = options.get("backends", {})
+    entry["backends"] = {**base.backends, **{k: {**base.backends.get(k, {}), **v} if isinstance(v, dict) else v for k, v in given.items()}}
     for key in ("backend", "fallback", "tokenizer", "revision", "trust_remote_code", "model"):
         if key in options:
             entry[key] = options[key]

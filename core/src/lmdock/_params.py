@@ -284,6 +284,15 @@ class EditableSamplingParams(_Editable, SamplingParams):
         return SamplingParams(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingParams)})
 
 
+def _frozen_setattr(self: SamplingParams, name: str, value: Any) -> None:
+    raise dataclasses.FrozenInstanceError(
+        f"cannot assign to field {name!r}: SamplingParams is frozen (one object serves many requests); "
+        "sp.clone() or llm.get_default_sampling_params() give an editable copy, sp.replace(...) a changed one")
+
+
+SamplingParams.__setattr__ = _frozen_setattr  # type: ignore[method-assign,assignment]
+
+
 @dataclass(frozen=True)
 class QuantConfig(_Replaceable):
     """Portable quantization request; each backend translates it or refuses with a reason."""
