@@ -13,9 +13,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from stories_facts import GREEDY_40, GREEDY_40_TEXT, PROMPT, PROMPT_IDS
-
 from lmdock import LLM, SamplingParams
+from stories_facts import GREEDY_40, GREEDY_40_TEXT, PROMPT, PROMPT_IDS
 
 GREEDY_10 = GREEDY_40[:10]
 
@@ -187,8 +186,8 @@ def test_trtllm_generate_async_streaming_future_and_await(ours: Any) -> None:
 
 
 def test_furiosa_constructor_and_call_arguments(stories: str) -> None:
-    # from furiosa_llm import LLM, SamplingParams
-    from lmdock import LLM, SamplingParams
+    # from furiosa_llm import LLM
+    from lmdock import LLM
 
     with LLM(artifact_path=stories, backend="hf") as llm:
         sampling_params = llm.get_default_sampling_params()
