@@ -13,6 +13,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from lmdock._aliases import foreign_fields, foreign_sampling_fields
 from lmdock._schema import check
 
 _INF = float("inf")
@@ -236,8 +237,6 @@ _sampling_init = SamplingParams.__init__
 
 
 def _sampling_params_init(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
-    from lmdock._aliases import foreign_sampling_fields
-
     kwargs = foreign_sampling_fields(kwargs)
     if kwargs.pop("use_beam_search", False):
         if "best_of" in kwargs:
@@ -358,8 +357,6 @@ def _accept_foreign_fields(cls: type) -> None:
     init = cls.__init__
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        from lmdock._aliases import foreign_fields
-
         init(self, *args, **foreign_fields(cls.__name__, kwargs))
 
     __init__.__doc__ = init.__doc__
