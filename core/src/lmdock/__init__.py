@@ -7,6 +7,8 @@ first access (they pull asyncio, concurrent.futures and pluggy), so ``import lmd
 
 from __future__ import annotations
 
+from lmdock._aliases import QuantAlgo
+from lmdock._beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from lmdock._config import ConfigFile, config_schema, find_config, load_config
 from lmdock._errors import (
     BackendError,
@@ -41,13 +43,18 @@ from lmdock._params import (
 )
 from lmdock._tokenizer import Tokenizer
 
+#: vLLM's name for :class:`StructuredOutput` (``SamplingParams(structured_outputs=StructuredOutputsParams(json=...))``).
+StructuredOutputsParams = StructuredOutput
+
 __version__ = "0.1.0"
 
 #: Names imported on first access: name -> (module, attribute or None for the module itself).
 #: ``lmdock.backend`` is the backend authors' namespace, so ``import lmdock`` is enough to write
 #: ``lmdock.backend.BackendSpec``.
 _LAZY = {
+    "AsyncLM": ("lmdock._genlm", "AsyncLM"),
     "LLM": ("lmdock._llm", "LLM"),
+    "load_model_by_name": ("lmdock._genlm", "load_model_by_name"),
     "RequestFuture": ("lmdock._sinks", "RequestFuture"),
     "hookimpl": ("lmdock._hooks", "hookimpl"),
     "backend": ("lmdock.backend", None),
@@ -71,7 +78,11 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AsyncLM",
     "BackendError",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "BuildConfig",
     "CompletionOutput",
     "ConfigError",
@@ -87,6 +98,7 @@ __all__ = [
     "OffloadPolicy",
     "PluginError",
     "PoolingParams",
+    "QuantAlgo",
     "QuantConfig",
     "QueueFullError",
     "RequestError",
@@ -98,6 +110,7 @@ __all__ = [
     "ScoringRequestOutput",
     "ServerConfig",
     "StructuredOutput",
+    "StructuredOutputsParams",
     "Tokenizer",
     "UnsupportedError",
     "__version__",
@@ -105,4 +118,5 @@ __all__ = [
     "find_config",
     "hookimpl",
     "load_config",
+    "load_model_by_name",
 ]

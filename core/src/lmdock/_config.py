@@ -140,7 +140,8 @@ def model_config(
     kwargs["trust_remote_code"] = coerce(entry.get("trust_remote_code", False), bool, key("trust_remote_code"), source)
     for section, cls in SECTIONS.items():
         value = entry.get(section, {})
-        kwargs[section] = value if isinstance(value, cls) else build(cls, coerce(value, dict[str, Any], key(section), source), source=source, prefix=key(section))
+        # a copy: an editable section (BuildConfig) set later must not reach a loaded model
+        kwargs[section] = dataclasses.replace(value) if isinstance(value, cls) else build(cls, coerce(value, dict[str, Any], key(section), source), source=source, prefix=key(section))
     sampling = entry.get("sampling", {})
     if isinstance(sampling, SamplingParams):
         sampling = _explicit_fields(sampling)

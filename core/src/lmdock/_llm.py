@@ -15,14 +15,15 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
+from lmdock._aliases import constructor_options
 from lmdock._contract import EngineRequest, RequestEngine
 from lmdock._errors import ConfigError, EngineClosedError, QueueFullError, RequestError, UnsupportedError
 from lmdock._loader import load_engine, resolve_model
 from lmdock._outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
-from lmdock._params import SamplingParams
+from lmdock._params import EditableSamplingParams, SamplingParams
 from lmdock._pooling_calls import PoolingArg, PoolingCalls
 from lmdock._progress import Progress
-from lmdock._prompts import Prompt, as_batch, indexed, indexed_error
+from lmdock._prompts import Prompt, as_batch, as_prompt, content_as, indexed, indexed_error, token_id_prompts, truncated
 from lmdock._schema import build, resolve_aliases
 from lmdock._sinks import AsyncQueueSink, QueueSink, RequestFuture
 
@@ -57,7 +58,9 @@ class LLM:
     :param config: the config file; by default found as ``lmdock config check`` explains.
     :param options: the keys of a ``[models.NAME]`` table (``build={"dtype": "float32"}``,
         ``quantization=QuantConfig(...)``, ``sampling={...}``, ``backends={"hf": {...}}``...),
-        applied over the config file's entry.
+        applied over the config file's entry; vLLM's, TensorRT-LLM's and furiosa-llm's own arguments
+        (``dtype=``, ``max_model_len=``, ``build_config=``, ``artifact_path=``...) are read as the keys they
+        mean, or refused with lmdock's equivalent (``lmdock._aliases``, docs/migrating.md).
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class LLM:
         **options: Any,
     ) -> None:
         self._engine: RequestEngine | None = None
+        model, options, after = constructor_options(model, options)
         if backend is not None:
             options["backend"] = backend
         self.model_config = resolve_model(model, config, options)
@@ -76,6 +80,7 @@ class LLM:
         self.tokenizer = self._engine.tokenizer
         self.max_model_len = self._engine.max_seq_len
         self._defaults = self._default_params()
+        after.apply(self)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -120,9 +125,15 @@ class LLM:
 
     # -- sampling defaults ----------------------------------------------------------------------
 
-    def get_default_sampling_params(self) -> SamplingParams:
-        """The parameters used when a call passes none: generation_config.json, then the config file."""
-        return self._defaults
+    def get_default_sampling_params(self) -> EditableSamplingParams:
+        """The parameters used when a call passes none: generation_config.json, then the config file.
+        An editable copy (vLLM's habit: ``sp = llm.get_default_sampling_params(); sp.max_tokens = 40``):
+        each assignment is validated, and changing it changes no later call's defaults."""
+        return self._defaults.clone()
+
+    def get_tokenizer(self) -> Any:
+        """The tokenizer prompts are encoded with (vLLM's ``get_tokenizer``); None without one."""
+        return self.tokenizer
 
     def _default_params(self) -> SamplingParams:
         gen = self.engine.generation_config or {}
@@ -146,6 +157,8 @@ class LLM:
     def _params(self, params: ParamsArg) -> SamplingParams:
         if params is None:
             return self._defaults
+        if isinstance(params, EditableSamplingParams):
+            return params.frozen()  # a snapshot: editing it later never reaches a running request
         if isinstance(params, SamplingParams):
             return params
         if isinstance(params, dict):  # the call's names (max_tokens...) resolved before the defaults join them
@@ -155,11 +168,15 @@ class LLM:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def _request(self, prompt: Prompt, params: SamplingParams, stream: bool = False, add_special_tokens: bool = True) -> EngineRequest:
+    def _request(self, prompt: Prompt, params: SamplingParams, stream: bool = False, add_special_tokens: bool = True,
+                 tokenizer_kwargs: dict[str, Any] | None = None) -> EngineRequest:
+        prompt = as_prompt(prompt)
+        if self.tokenizer is None and params.detokenize:  # skip_tokenizer_init: token ids out, no text
+            params = params.replace(detokenize=False)
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("the prompt is empty: give at least one token or a non-empty string")
-            ids = self._tokenizer().encode(prompt, add_special_tokens=add_special_tokens)
+            ids = self._encode(prompt, add_special_tokens, tokenizer_kwargs)
             text: str | None = prompt
         elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids, text = list(prompt), None
@@ -169,7 +186,20 @@ class LLM:
             ok, reason = self.backend.capability("structured_output")
             if not ok:
                 raise RequestError(f"structured_output: backend {self.backend.name!r} cannot constrain its output ({reason}); pick a backend that lists structured_output in `lmdock backends`")
+        if params.logits_processors and self.backend.kind == "request":
+            raise RequestError(f"logits_processors: backend {self.backend.name!r} samples inside its engine, where lmdock cannot run "
+                               "Python callables; use a step backend (hf, onnx, mlx, llamacpp) or structured_output")
+        ids = truncated(ids, params.truncate_prompt_tokens, self.max_model_len)
         return EngineRequest(f"req-{next(_ids)}", text, ids, params, stream)
+
+    def _encode(self, text: str, add_special_tokens: bool, tokenizer_kwargs: dict[str, Any] | None) -> list[int]:
+        kwargs = {"add_special_tokens": add_special_tokens, **(tokenizer_kwargs or {})}
+        try:
+            return self._tokenizer().encode(text, **kwargs)
+        except TypeError as exc:
+            if not tokenizer_kwargs:
+                raise
+            raise RequestError(f"tokenizer_kwargs {sorted(tokenizer_kwargs)}: the tokenizer's encode refused them ({exc})") from None
 
     def make_request(self, prompt: Prompt, sampling_params: ParamsArg = None, *, stream: bool = False,
                      add_special_tokens: bool = True) -> EngineRequest:
@@ -188,7 +218,7 @@ class LLM:
         return self.tokenizer
 
     def _submit(self, request: EngineRequest) -> RequestFuture:
-        future = RequestFuture(request.request_id, self.engine.abort)
+        future = RequestFuture(request.request_id, self.engine.abort, streaming=request.stream)
         self.engine.submit(request, future)
         return future
 
@@ -198,17 +228,23 @@ class LLM:
         sampling_params: ParamsArg | Sequence[ParamsArg] = None,
         *,
         use_tqdm: bool | None = None,
+        prompt_token_ids: Any = None,
+        tokenizer_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a batch; returns one ``RequestOutput`` per prompt, in order.
 
-        A prompt is text or a list of token ids.  ``sampling_params`` is one for all prompts or a
-        list with one per prompt; a dict overrides fields of :meth:`get_default_sampling_params`.
+        A prompt is text, a list of token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids":
+        [...]}`` dict.  ``sampling_params`` is one for all prompts or a list with one per prompt; a dict
+        overrides fields of :meth:`get_default_sampling_params`.  furiosa-llm's ``prompt_token_ids`` (a
+        ``BatchEncoding`` or lists of ids) replaces the prompts' tokenization; ``tokenizer_kwargs`` go
+        to the tokenizer's ``encode``.
         """
-        batch = as_batch(prompts)
+        batch = token_id_prompts(prompt_token_ids, prompts)
         plist = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(batch)
         if len(plist) != len(batch):
             raise RequestError(f"got {len(plist)} sampling_params for {len(batch)} prompts")
-        requests = [indexed(i, len(batch), self._request, p, self._params(sp)) for i, (p, sp) in enumerate(zip(batch, plist))]
+        requests = [indexed(i, len(batch), self._request, p, self._params(sp), tokenizer_kwargs=tokenizer_kwargs)
+                    for i, (p, sp) in enumerate(zip(batch, plist))]
         return self._run_batch(requests, use_tqdm)
 
     def _run_batch(self, requests: list[EngineRequest], use_tqdm: bool | None) -> list[RequestOutput]:
@@ -257,11 +293,16 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         *,
         use_tqdm: bool | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the chat template."""
+        """Generate replies to one conversation or a list of them, through the chat template.
+
+        ``chat_template_content_format`` (vLLM's, furiosa-llm's): ``"string"`` joins a message's list of
+        text parts into one string before the template sees it; ``"openai"`` and ``"auto"`` pass it as is."""
         if continue_final_message and add_generation_prompt:
             raise RequestError("continue_final_message=True needs add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = [content_as(chat_template_content_format, conv) for conv in conversations]  # type: ignore[arg-type]
         prompts = [
             self.render_chat(conv, chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs)
             for conv in conversations  # type: ignore[arg-type]
@@ -298,9 +339,19 @@ class LLM:
         except Exception as exc:
             raise RequestError(f"the chat template failed: {type(exc).__name__}: {exc}") from None
 
-    def generate_async(self, prompt: Prompt, sampling_params: ParamsArg = None) -> RequestFuture:
-        """Submit one request; returns a future (``.result(timeout)``, ``await .aresult()``, ``.cancel()``)."""
-        return self._submit(self._request(prompt, self._params(sampling_params)))
+    def generate_async(self, prompt: Prompt, sampling_params: ParamsArg = None, streaming: bool = False) -> RequestFuture:
+        """Submit one request; returns a future: ``.result(timeout)``, ``await fut`` (or ``.aresult()``),
+        ``.cancel()``, and ``async for out in fut``, which yields every cumulative snapshot with
+        ``streaming=True`` (TensorRT-LLM's), else the final output once."""
+        return self._submit(self._request(prompt, self._params(sampling_params), stream=streaming))
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: Any, *, use_tqdm: bool | None = None) -> list[Any]:
+        """vLLM's ``LLM.beam_search(prompts, BeamSearchParams(beam_width, max_tokens, ...))``: one
+        ``BeamSearchOutput`` per prompt, whose ``sequences`` (best first) hold the prompt's and the
+        beam's tokens, their text, and ``cum_logprob``.  Runs lmdock's beam search (``beam_width``)."""
+        from lmdock._beam_search import beam_search
+
+        return beam_search(self, prompts, params, use_tqdm)
 
     def stream(self, prompt: Prompt, sampling_params: ParamsArg = None) -> Iterator[RequestOutput]:
         """Yield cumulative snapshots of one request as it runs (synchronous); the last is finished.
@@ -332,7 +383,8 @@ class LLM:
                 if self._engine is None:
                     raise EngineClosedError("the LLM was shut down while the stream was waiting") from None
 
-    async def stream_generate(self, prompt: Prompt, sampling_params: ParamsArg = None) -> AsyncIterator[str]:
+    async def stream_generate(self, prompt: Prompt, sampling_params: ParamsArg = None, prompt_token_ids: Any = None,
+                              tokenizer_kwargs: dict[str, Any] | None = None) -> AsyncIterator[str]:
         """Yield text deltas of one request as they are generated (furiosa-llm's ``stream_generate``).
 
         The deltas join to exactly the text ``generate`` returns.  Closing the generator (or
@@ -343,7 +395,8 @@ class LLM:
         if params.n > 1:
             raise RequestError(f"stream_generate yields the text of one completion, and n={params.n} asks for more: "
                                "use LLM.stream(prompt, params), whose snapshots hold every completion (outputs[i])")
-        request = self._request(prompt, params, stream=True)
+        (prompt,) = token_id_prompts(prompt_token_ids, prompt, one=True)
+        request = self._request(prompt, params, stream=True, tokenizer_kwargs=tokenizer_kwargs)
         sink = AsyncQueueSink(asyncio.get_running_loop())
         self.engine.submit(request, sink)
         sent = 0

@@ -69,7 +69,9 @@ def _overlay(base: ModelConfig, options: dict[str, Any]) -> ModelConfig:
         else:
             entry[section] = value or current
     entry["sampling"] = {**base.sampling, **sampling_dict(options.get("sampling", {}))}
-    entry["backends"] = {**base.backends, **options.get("backends", {})}
+    # each backend's table field by field, as the sections (enforce_eager=True beside the file's [backends.vllm])
+    given = options.get("backends", {})
+    entry["backends"] = {**base.backends, **{k: {**base.backends.get(k, {}), **v} if isinstance(v, dict) else v for k, v in given.items()}}
     for key in ("backend", "fallback", "tokenizer", "revision", "trust_remote_code", "model"):
         if key in options:
             entry[key] = options[key]
@@ -182,7 +184,8 @@ def _wrap_step_engine(engine: Any, spec: BackendSpec, mc: ModelConfig, hook: Any
             except Exception as exc:
                 raise RequestError(f"plugin {impl.plugin_name!r}: lmdock_logits_processors failed: {type(exc).__name__}: {exc}") from exc
             out += [named_processor(proc, impl.plugin_name) for proc in group or ()]
-        return out
+        # the request's own (vLLM's per-request logits_processors), after the plugins'
+        return out + [named_processor(proc, "<request>") for proc in params.logits_processors]
 
     make_constraints = hook.lmdock_make_constraints(backend=spec.name, model_config=mc, tokenizer=engine.tokenizer, vocab_size=engine.vocab_size, eos_token_ids=tuple(engine.eos_token_ids))
     # fill_masks: a whole batch's masks at once, where the constraint stage has it

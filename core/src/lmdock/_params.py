@@ -13,6 +13,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from lmdock._aliases import foreign_fields, foreign_sampling_fields
 from lmdock._schema import check
 
 _INF = float("inf")
@@ -38,6 +39,22 @@ class _Replaceable:
     def replace(self, **changes: Any) -> Any:
         """Return a copy with ``changes`` applied (and validated)."""
         return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+
+class _Editable:
+    """Fields may be set after construction (TensorRT-LLM's ``build_config.max_beam_width = 4``,
+    vLLM's ``sp.max_tokens = 40``); each assignment is validated as construction is, and a name in the
+    class's ``ALIASES`` sets the field it names."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        name = getattr(type(self), "ALIASES", {}).get(name, name)
+        if name not in {f.name for f in dataclasses.fields(self)}:  # type: ignore[arg-type]
+            raise AttributeError(f"{type(self).__name__} has no field {name!r}")
+        if name not in self.__dict__:  # the dataclass's own __init__ setting it
+            object.__setattr__(self, name, value)
+            return
+        new = dataclasses.replace(self, **{name: value})  # type: ignore[type-var]
+        self.__dict__.update(new.__dict__)
 
 
 @dataclass(frozen=True)
@@ -115,6 +132,10 @@ class SamplingParams(_Replaceable):
     length_penalty: float = 1.0
     early_stopping: bool = False
     structured_output: StructuredOutput | None = None
+    #: keep only the last k prompt tokens (-1: as many as the model takes), vLLM's left truncation
+    truncate_prompt_tokens: int | None = None
+    #: per-request callables ``(token_ids, logits) -> logits`` (step engines; see docs/migrating.md)
+    logits_processors: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_output, dict):
@@ -153,11 +174,28 @@ class SamplingParams(_Replaceable):
             check(self.temperature == 0.0 or self.temperature == 1.0, "temperature",
                   "beam search is deterministic; leave temperature at 0 or 1")
             check(self.n <= self.beam_width, "n", f"must be <= beam_width ({self.beam_width}), got {self.n}")
+        if self.truncate_prompt_tokens != -1:
+            _int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1)
+        object.__setattr__(self, "logits_processors", tuple(self.logits_processors or ()))
+        for proc in self.logits_processors:
+            check(callable(proc), "logits_processors", f"must be callables (token_ids, logits) -> logits, got {proc!r:.60}")
 
     @property
     def greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature 0 or top_k 1)."""
         return self.temperature == 0.0 or self.top_k == 1
+
+    def clone(self) -> EditableSamplingParams:
+        """An editable copy (vLLM's ``clone()``): ``sp.max_tokens = 40`` sets and validates one field.
+        A request takes a frozen snapshot of it, so editing it later never reaches a running request."""
+        return EditableSamplingParams(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+    def __getattr__(self, name: str) -> Any:
+        """Other tools' names read as the field they name (``sp.max_tokens`` is ``max_new_tokens``)."""
+        aliases = getattr(type(self), "ALIASES", {})
+        if name in aliases:
+            return getattr(self, aliases[name])
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 #: The one table of OpenAI's request fields (with vLLM's sampling extras) that set a SamplingParams
@@ -192,11 +230,14 @@ SamplingParams.ALIASES = {  # type: ignore[attr-defined]
     "num_beams": "beam_width",
     "num_return_sequences": "n",
     "stop_sequences": "stop",
+    "structured_outputs": "structured_output",  # vLLM's
+    "random_seed": "seed",  # TensorRT-LLM's
 }
 _sampling_init = SamplingParams.__init__
 
 
 def _sampling_params_init(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
+    kwargs = foreign_sampling_fields(kwargs)
     if kwargs.pop("use_beam_search", False):
         if "best_of" in kwargs:
             kwargs.setdefault("beam_width", kwargs.pop("best_of"))
@@ -226,6 +267,31 @@ _sampling_params_init.__signature__ = inspect.signature(_sampling_init)  # type:
 SamplingParams.__init__ = _sampling_params_init  # type: ignore[method-assign]
 
 
+class EditableSamplingParams(_Editable, SamplingParams):
+    """What :meth:`SamplingParams.clone` and ``LLM.get_default_sampling_params()`` return: the same
+    fields, settable one by one with validation.  Equal to a SamplingParams with the same fields."""
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SamplingParams):
+            return NotImplemented
+        return all(getattr(self, f.name) == getattr(other, f.name) for f in dataclasses.fields(SamplingParams))
+
+    def frozen(self) -> SamplingParams:
+        """A frozen snapshot, what a request holds."""
+        return SamplingParams(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingParams)})
+
+
+def _frozen_setattr(self: SamplingParams, name: str, value: Any) -> None:
+    raise dataclasses.FrozenInstanceError(
+        f"cannot assign to field {name!r}: SamplingParams is frozen (one object serves many requests); "
+        "sp.clone() or llm.get_default_sampling_params() give an editable copy, sp.replace(...) a changed one")
+
+
+SamplingParams.__setattr__ = _frozen_setattr  # type: ignore[method-assign,assignment]
+
+
 @dataclass(frozen=True)
 class QuantConfig(_Replaceable):
     """Portable quantization request; each backend translates it or refuses with a reason."""
@@ -246,8 +312,8 @@ class QuantConfig(_Replaceable):
         return self.algo != "none"
 
 
-@dataclass(frozen=True)
-class BuildConfig(_Replaceable):
+@dataclass
+class BuildConfig(_Editable, _Replaceable):
     """Portable engine limits and build options (TensorRT-LLM's BuildConfig, vLLM's engine args)."""
 
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
@@ -284,6 +350,22 @@ class KvCacheConfig(_Replaceable):
         _int("max_tokens", self.max_tokens, 1)
         _range("memory_fraction", self.memory_fraction, 0.0, 1.0, lo_open=True)
         _range("cpu_space_gib", self.cpu_space_gib, 0.0, lo_open=True)
+
+
+def _accept_foreign_fields(cls: type) -> None:
+    """Let ``cls(...)`` take TensorRT-LLM's field names (lmdock._aliases.FIELDS)."""
+    init = cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **foreign_fields(cls.__name__, kwargs))
+
+    __init__.__doc__ = init.__doc__
+    __init__.__signature__ = inspect.signature(init)  # type: ignore[attr-defined]
+    cls.__init__ = __init__  # type: ignore[misc]
+
+
+_accept_foreign_fields(QuantConfig)
+_accept_foreign_fields(KvCacheConfig)
 
 
 @dataclass(frozen=True)

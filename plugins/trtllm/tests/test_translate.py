@@ -128,7 +128,10 @@ def test_every_sampling_field_is_translated() -> None:
     assert covered == {"n", "temperature", "top_k", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
                        "max_new_tokens", "min_new_tokens", "ignore_eos", "stop", "stop_token_ids", "include_stop_str_in_output",
                        "detokenize", "skip_special_tokens", "seed", "logprobs", "prompt_logprobs", "beam_width", "length_penalty",
-                       "early_stopping", "structured_output"}, "a new SamplingParams field needs a TensorRT-LLM translation"
+                       "early_stopping", "structured_output",
+                       # the core applies these before an engine sees the request: it truncates the prompt, and
+                       # refuses logits_processors for request engines (they sample inside their engine)
+                       "truncate_prompt_tokens", "logits_processors"}, "a new SamplingParams field needs a TensorRT-LLM translation"
 
 
 def test_structured_output_becomes_guided_decoding() -> None:

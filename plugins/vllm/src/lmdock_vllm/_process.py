@@ -56,6 +56,8 @@ def check_main_guard(engine_kwargs: dict[str, Any], multiprocessing: bool | None
     if where is None:
         return multiprocessing
     ranks = _ranks(engine_kwargs)
+    if ranks == 1 and multiprocessing is False:
+        return False  # asked for (what the error below tells the script to set): nothing to spawn
     if multiprocessing is None and ranks == 1 and not in_process_engine_open():
         return False  # nothing to spawn: vLLM's engine core runs on lmdock's engine thread
     raise BackendError(
