@@ -169,6 +169,12 @@ class LLM:
             ok, reason = self.backend.capability("structured_output")
             if not ok:
                 raise RequestError(f"structured_output: backend {self.backend.name!r} cannot constrain its output ({reason}); pick a backend that lists structured_output in `lmdock backends`")
+        if params.biased:
+            ok, reason = self.backend.capability("logit_bias")
+            if not ok:
+                asked = ", ".join(n for n in ("logit_bias", "allowed_token_ids", "bad_words") if getattr(params, n) not in ({}, None, ()))
+                raise RequestError(f"{asked}: backend {self.backend.name!r} cannot bias or ban tokens ({reason}); remove it, or pick a "
+                                   "backend that lists logit_bias in `lmdock backends`")
         return EngineRequest(f"req-{next(_ids)}", text, ids, params, stream)
 
     def make_request(self, prompt: Prompt, sampling_params: ParamsArg = None, *, stream: bool = False,
