@@ -40,6 +40,8 @@ def bad_words_ids(words: Sequence[str], tokenizer: Any, vocab: int) -> tuple[tup
     if words and tokenizer is None:
         raise RequestError("bad_words: this engine was loaded without a tokenizer, which bad words need; ban token ids "
                            "with logit_bias {id: -100} instead")
+    if len(words) > MAX_BAD_WORDS:  # each word is one sequence at least: refused before any tokenizing
+        raise RequestError(f"bad_words: {len(words)} words; at most {MAX_BAD_WORDS} token sequences are checked")
     out: list[tuple[int, ...]] = []
     for word in words:
         plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
