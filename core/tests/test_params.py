@@ -44,6 +44,7 @@ def test_token_fields_normalise_json_keys_and_lists() -> None:
     assert p.logit_bias == {432: -100.0, 7: 2.0} and p.allowed_token_ids == (3, 4) and p.bad_words == ("Lily",)
     assert p.biased and not SamplingParams().biased
     assert SamplingParams(logit_bias={}).logit_bias == {} and SamplingParams().allowed_token_ids is None
+    assert hash(p) == hash(SamplingParams(logit_bias={7: 2, 432: -100}, allowed_token_ids=(3, 4), bad_words=("Lily",)))
 
 
 def test_min_new_tokens_cannot_exceed_max() -> None:

@@ -172,6 +172,11 @@ class SamplingParams(_Replaceable):
         """True when sampling reduces to argmax (temperature 0 or top_k 1)."""
         return self.temperature == 0.0 or self.top_k == 1
 
+    def __hash__(self) -> int:
+        # logit_bias is a dict (OpenAI's shape): hashed by its items, so SamplingParams stays hashable
+        return hash(tuple(tuple(sorted(v.items())) if isinstance(v, dict) else v
+                          for v in (getattr(self, f.name) for f in dataclasses.fields(self))))
+
     @property
     def biased(self) -> bool:
         """True when ``logit_bias``, ``allowed_token_ids`` or ``bad_words`` change the logits."""
