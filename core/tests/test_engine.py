@@ -417,6 +417,13 @@ def test_structured_output_is_refused_where_the_backend_cannot_constrain(fake: F
         assert llm.generate("hello", SamplingParams(max_new_tokens=3))[0].outputs[0].token_ids  # still serves
 
 
+def test_token_biases_are_refused_where_the_backend_lacks_the_capability(fake: FakePlugin) -> None:
+    with LLM("m", backend="fake") as llm:
+        for field, value in (("logit_bias", {3: -100}), ("allowed_token_ids", (3, 4)), ("bad_words", ("ab",))):
+            with pytest.raises(RequestError, match=rf"^{field}: backend 'fake' cannot bias or ban tokens"):
+                llm.generate("hello", SamplingParams(max_new_tokens=3, **{field: value}))
+
+
 def _idle(stats: dict) -> bool:
     """Nothing running or waiting, and the backend holds no sequence."""
     return (stats["num_sequences_running"], stats["num_sequences_waiting"], stats["num_sequences_held"]) == (0, 0, 0)

@@ -21,6 +21,15 @@ BAD_SAMPLING = [
     ("beam_width", 0),
     ("stop_token_ids", (-1,)),
     ("stop", ("",)),
+    ("logit_bias", {5: 101}),
+    ("logit_bias", {5: -100.5}),
+    ("logit_bias", {"five": 1}),
+    ("logit_bias", {-3: 1}),
+    ("logit_bias", {5: True}),
+    ("logit_bias", [5, 1]),
+    ("allowed_token_ids", ()),
+    ("allowed_token_ids", (3, -1)),
+    ("bad_words", ("ok", " ")),
 ]
 
 
@@ -28,6 +37,14 @@ BAD_SAMPLING = [
 def test_invalid_sampling_values_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=rf"^{field}: "):
         SamplingParams(**{field: value})
+
+
+def test_token_fields_normalise_json_keys_and_lists() -> None:
+    p = SamplingParams(logit_bias={"432": -100, 7: 2}, allowed_token_ids=[3, 4], bad_words="Lily")
+    assert p.logit_bias == {432: -100.0, 7: 2.0} and p.allowed_token_ids == (3, 4) and p.bad_words == ("Lily",)
+    assert p.biased and not SamplingParams().biased
+    assert SamplingParams(logit_bias={}).logit_bias == {} and SamplingParams().allowed_token_ids is None
+    assert hash(p) == hash(SamplingParams(logit_bias={7: 2, 432: -100}, allowed_token_ids=(3, 4), bad_words=("Lily",)))
 
 
 def test_min_new_tokens_cannot_exceed_max() -> None:

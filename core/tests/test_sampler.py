@@ -120,3 +120,68 @@ def test_logprobs_are_raw_log_softmax_with_ranks() -> None:
     assert s.logprob == pytest.approx(lp[0], abs=1e-6)
     assert [t for t, _ in s.top] == [0, 1, 2]
     np.testing.assert_allclose([v for _, v in s.top], lp[:3], atol=1e-6)
+
+
+def _bias_row(params: SamplingParams, token_ids: list[int], prompt_len: int = 1, bad: tuple = ()) -> SampleRow:
+    return SampleRow(params, token_ids, prompt_len, np.random.default_rng(params.seed), bad_words_ids=bad)
+
+
+def test_logit_bias_is_added_before_sampling_and_logprobs_stay_raw() -> None:
+    # LOGITS' argmax is token 0; -100 bans it, +100 on token 6 makes it the greedy choice
+    banned = ReferenceSampler().sample(LOGITS[None, :], [_bias_row(SamplingParams(temperature=0, logit_bias={0: -100}), [1])])[0]
+    assert banned.token == 1
+    forced = ReferenceSampler().sample(LOGITS[None, :], [_bias_row(SamplingParams(temperature=0, logprobs=0, logit_bias={6: 100}), [1])])[0]
+    lp = LOGITS - np.log(np.exp(LOGITS.astype(np.float64)).sum())
+    assert forced.token == 6 and forced.logprob == pytest.approx(lp[6], abs=1e-6) and forced.rank == 7
+
+
+def test_a_small_logit_bias_shifts_the_distribution_exactly() -> None:
+    bias = {1: 0.5, 3: -1.0}
+    params = SamplingParams(temperature=1.0, seed=0, logit_bias=bias)
+    row = _bias_row(params, [1])
+    tokens = [s.token for s in ReferenceSampler().sample(np.repeat(LOGITS[None, :], DRAWS, axis=0), [row] * DRAWS)]
+    shifted = LOGITS.copy()
+    for t, b in bias.items():
+        shifted[t] += b
+    want = expected(shifted) * DRAWS
+    counts = np.bincount(tokens, minlength=len(LOGITS))
+    stat = sum((c - w) ** 2 / w for c, w in zip(counts, want) if w > 0)
+    assert stat < chi2_critical(len(LOGITS) - 1)
+
+
+def test_allowed_token_ids_mask_every_other_token() -> None:
+    rows = [_bias_row(SamplingParams(temperature=1.5, seed=i, allowed_token_ids=(5, 7)), [1]) for i in range(200)]
+    tokens = {s.token for s in ReferenceSampler().sample(np.repeat(LOGITS[None, :], 200, axis=0), rows)}
+    assert tokens == {5, 7}  # both drawn, nothing else (token 7's logit is the lowest)
+
+
+def test_bad_words_ban_the_last_token_after_their_prefix_in_the_output() -> None:
+    params = SamplingParams(temperature=0, bad_words=("x",))
+    bad = ((0,), (3, 1))  # token 0 anywhere; token 1 right after token 3
+    sampler = ReferenceSampler()
+    assert sampler.sample(LOGITS[None, :], [_bias_row(params, [9, 3], prompt_len=1, bad=bad)])[0].token == 2
+    assert sampler.sample(LOGITS[None, :], [_bias_row(params, [9, 4], prompt_len=1, bad=bad)])[0].token == 1
+    # the prefix must be output, not prompt (vLLM checks generated tokens only)
+    assert sampler.sample(LOGITS[None, :], [_bias_row(params, [9, 3], prompt_len=2, bad=bad)])[0].token == 1
+    with pytest.raises(ValueError, match="bad_words_ids"):
+        SampleRow(params, [1], 1, np.random.default_rng(0))  # the sampler cannot tokenize: it is told the sequences
+
+
+def test_biased_rows_are_not_argmax_only_and_batch_like_alone() -> None:
+    logits = np.random.default_rng(1).normal(size=(4, 16)).astype(np.float32)
+    top = logits.argmax(axis=1)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, logit_bias={int(top[1]): -100}),
+              SamplingParams(temperature=0, allowed_token_ids=(3,)), SamplingParams(temperature=0.7, seed=2, logit_bias={4: 50})]
+    rows = [_bias_row(p, [1]) for p in params]
+    assert [r.plain for r in rows] == [True, False, False, False]
+    batched = [s.token for s in ReferenceSampler().sample(logits, rows)]
+    alone = [ReferenceSampler().sample(logits[i : i + 1], [_bias_row(p, [1])])[0].token for i, p in enumerate(params)]
+    assert batched == alone and batched[0] == top[0] and batched[1] != top[1] and batched[2:] == [3, 4]
+
+
+def test_no_token_left_fails_the_row() -> None:
+    from lmdock import RequestError
+
+    row = _bias_row(SamplingParams(temperature=0, allowed_token_ids=(0,), bad_words=("x",)), [1], bad=((0,),))
+    with pytest.raises(RequestError, match="no token"):
+        ReferenceSampler().sample(LOGITS[None, :], [row])

@@ -152,7 +152,8 @@ def test_snapshots_waiting_together_go_out_as_one() -> None:
     ("/v1/chat/completions", {"messages": [], "temprature": 0}, "temprature", "did you mean 'temperature'?"),
     ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"include_usag": True}},
      "stream_options.include_usag", "did you mean 'include_usage'?"),
-    ("/v1/chat/completions", {"messages": [], "logit_bias": {"5": 10}}, "logit_bias", "this request's fields: "),
+    ("/v1/chat/completions", {"messages": [], "mm_processor_kwargs": {"x": 1}}, "mm_processor_kwargs", "this request's fields: "),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"jsn": {}}}, "structured_outputs.jsn", "did you mean 'json'?"),
     ("/v1/embeddings", {"input": "abc", "encoding": "base64"}, "encoding", "did you mean 'encoding_format'?"),
     ("/tokenize", {"prompt": "abc", "add_special_token": False}, "add_special_token", "did you mean 'add_special_tokens'?"),
 ])

@@ -237,8 +237,8 @@ def test_an_unknown_field_from_the_openai_client_is_400_naming_it(server: Server
     assert err["param"] == "ignore_eso" and "did you mean 'ignore_eos'?" in err["message"]
     with pytest.raises(openai.BadRequestError) as exc:  # OpenAI's own field lmdock does not honour: refused, not dropped
         client(server).chat.completions.create(model="stories", messages=[{"role": "user", "content": "x"}], max_tokens=2,
-                                               logit_bias={"5": 10})
-    assert _shape(exc.value.response.json())["param"] == "logit_bias"
+                                               prediction={"type": "content", "content": "x"})
+    assert _shape(exc.value.response.json())["param"] == "prediction"
 
 
 def test_logprob_tokens_join_to_the_text_completions_and_chat_streamed_or_not(server: Server) -> None:

@@ -72,6 +72,13 @@ def _check_structured_output(llm: LLM) -> None:
     assert out.outputs[0].text in ("yes", "no")
 
 
+def _check_logit_bias(llm: LLM) -> None:
+    plain = llm.generate(PROMPT, {"temperature": 0, "max_new_tokens": 4})[0].outputs[0].token_ids
+    out = llm.generate(PROMPT, {"temperature": 0, "max_new_tokens": 4, "logit_bias": {plain[0]: -100}, "bad_words": ["the"],
+                                "allowed_token_ids": list(range(3, 200))})[0].outputs[0].token_ids
+    assert out and plain[0] not in out and all(3 <= t < 200 for t in out)
+
+
 def _embedding_llm(backend: str) -> LLM:
     path = os.environ.get("LMDOCK_EMBED_MODEL")
     assert path, "set LMDOCK_EMBED_MODEL to an embedding model folder (scripts/test.sh takes all-MiniLM-L6-v2's)"
@@ -100,6 +107,7 @@ CHECKS = {
     "chat": _check_chat,
     "stream": _check_stream,
     "sampling": _check_sampling,
+    "logit_bias": _check_logit_bias,
     "logprobs": _check_logprobs,
     "prompt_logprobs": _check_prompt_logprobs,
     "next_token_logprobs": _check_next_token_logprobs,

@@ -39,6 +39,7 @@ CAPABILITIES: Mapping[str, str] = {
     "prompt_logprobs": "logprobs of the prompt tokens",
     "beam_search": "beam search (beam_width > 1)",
     "structured_output": "SamplingParams.structured_output: output constrained to a JSON schema, regex, choice or grammar",
+    "logit_bias": "SamplingParams.logit_bias, allowed_token_ids and bad_words: tokens biased, restricted or banned",
     "next_token_logprobs": "genlm-style next_token_logprobs over token-id prefixes",
     "embed": "embeddings from an embedding model",
     "score": "similarity scoring of text pairs",

@@ -190,6 +190,12 @@ class LLM:
             raise RequestError(f"logits_processors: backend {self.backend.name!r} samples inside its engine, where lmdock cannot run "
                                "Python callables; use a step backend (hf, onnx, mlx, llamacpp) or structured_output")
         ids = truncated(ids, params.truncate_prompt_tokens, self.max_model_len)
+        if params.biased:
+            ok, reason = self.backend.capability("logit_bias")
+            if not ok:
+                asked = ", ".join(n for n in ("logit_bias", "allowed_token_ids", "bad_words") if getattr(params, n) not in ({}, None, ()))
+                raise RequestError(f"{asked}: backend {self.backend.name!r} cannot bias or ban tokens ({reason}); remove it, or pick a "
+                                   "backend that lists logit_bias in `lmdock backends`")
         return EngineRequest(f"req-{next(_ids)}", text, ids, params, stream)
 
     def _encode(self, text: str, add_special_tokens: bool, tokenizer_kwargs: dict[str, Any] | None) -> list[int]:

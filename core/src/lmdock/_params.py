@@ -103,10 +103,19 @@ class StructuredOutput(_Replaceable):
 class SamplingParams(_Replaceable):
     """How to sample one request: the fields of Modular MAX's and vLLM's ``SamplingParams``.
 
-    Processing order (the reference sampler's, and the semantics every backend must keep):
-    penalties (repetition over prompt and output, frequency and presence over output) ->
-    min_new_tokens masking of EOS and stop tokens -> temperature (0 is greedy) -> min_p -> top_k ->
-    top_p -> draw with the request's own seeded generator.
+    Processing order (the reference sampler's, and the semantics every backend must keep; vLLM's):
+    ``allowed_token_ids`` (every other token masked) -> ``bad_words`` -> ``logit_bias`` (added to
+    the logits) -> penalties (repetition over prompt and output, frequency and presence over output)
+    -> min_new_tokens masking of EOS and stop tokens -> temperature (0 is greedy) -> min_p -> top_k ->
+    top_p -> draw with the request's own seeded generator.  Logprobs are the model's own, before
+    any of these.
+
+    * ``logit_bias``: token id -> a value in [-100, 100] added to that token's logit (OpenAI's
+      meaning: -100 in effect bans the token, 100 makes it the only choice).
+    * ``allowed_token_ids``: when set, every generated token is one of these.
+    * ``bad_words``: words never generated, as vLLM bans them: each word is tokenized without and
+      with a leading space, and the last token of such a sequence is banned wherever the tokens
+      before it end the output so far.
     """
 
     n: int = 1
@@ -132,12 +141,16 @@ class SamplingParams(_Replaceable):
     length_penalty: float = 1.0
     early_stopping: bool = False
     structured_output: StructuredOutput | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
     #: keep only the last k prompt tokens (-1: as many as the model takes), vLLM's left truncation
     truncate_prompt_tokens: int | None = None
     #: per-request callables ``(token_ids, logits) -> logits`` (step engines; see docs/migrating.md)
     logits_processors: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
+        _token_fields(self)
         if isinstance(self.structured_output, dict):
             object.__setattr__(self, "structured_output", StructuredOutput(**self.structured_output))
         if isinstance(self.stop, str):
@@ -197,6 +210,45 @@ class SamplingParams(_Replaceable):
             return getattr(self, aliases[name])
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
+    def __hash__(self) -> int:
+        # logit_bias is a dict (OpenAI's shape): hashed by its items, so SamplingParams stays hashable
+        return hash(tuple(tuple(sorted(v.items())) if isinstance(v, dict) else v
+                          for v in (getattr(self, f.name) for f in dataclasses.fields(self))))
+
+    @property
+    def biased(self) -> bool:
+        """True when ``logit_bias``, ``allowed_token_ids`` or ``bad_words`` change the logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
+
+
+def _token_id(name: str, value: Any) -> int:
+    """A token id given as an int or (a JSON object's key) a decimal string."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, name,
+          f"token ids are integers >= 0, got {value!r}")
+    return int(value)
+
+
+def _token_fields(p: SamplingParams) -> None:
+    """Validate and normalise logit_bias (int keys), allowed_token_ids and bad_words (tuples)."""
+    bias = p.logit_bias
+    check(isinstance(bias, dict), "logit_bias", f"must map token ids to values in [-100, 100], got {type(bias).__name__}")
+    normal: dict[int, float] = {}
+    for key, value in bias.items():
+        check(isinstance(value, (int, float)) and not isinstance(value, bool) and -100.0 <= value <= 100.0, "logit_bias",
+              f"token {key!r}: a bias is a number in [-100, 100], got {value!r}")
+        normal[_token_id("logit_bias", key)] = float(value)
+    object.__setattr__(p, "logit_bias", normal)
+    if p.allowed_token_ids is not None:
+        ids = (p.allowed_token_ids,) if isinstance(p.allowed_token_ids, int) else p.allowed_token_ids
+        object.__setattr__(p, "allowed_token_ids", tuple(_token_id("allowed_token_ids", t) for t in ids))
+        check(bool(p.allowed_token_ids), "allowed_token_ids", "is empty: name at least one token, or leave it unset (None)")
+    words = (p.bad_words,) if isinstance(p.bad_words, str) else tuple(p.bad_words or ())
+    for w in words:
+        check(isinstance(w, str) and w.strip() != "", "bad_words", f"bad words are non-empty strings, got {w!r}")
+    object.__setattr__(p, "bad_words", words)
+
 
 #: The one table of OpenAI's request fields (with vLLM's sampling extras) that set a SamplingParams
 #: field, and the field each sets: read by ``lmdock serve``, ``lmdock batch`` and SamplingParams'
@@ -219,6 +271,9 @@ OPENAI_FIELDS = {
     "stop_token_ids": "stop_token_ids",
     "include_stop_str_in_output": "include_stop_str_in_output",
     "skip_special_tokens": "skip_special_tokens",
+    "logit_bias": "logit_bias",
+    "allowed_token_ids": "allowed_token_ids",
+    "bad_words": "bad_words",
 }
 
 #: Other tools' names for SamplingParams fields (OpenAI's and vLLM's from the table above, then

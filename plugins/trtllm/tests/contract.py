@@ -10,7 +10,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from lmdock_trtllm._refs import ConfigRef, EnumRef
+from lmdock_trtllm._refs import ConfigRef, EnumRef, TensorRef
 
 
 @cache
@@ -90,6 +90,8 @@ def type_ok(value: Any, type_str: str) -> bool:
         return value.enum == t and value.member in enum_members(t)
     if isinstance(value, ConfigRef):
         return value.cls == t
+    if t == "torch.Tensor":
+        return isinstance(value, TensorRef)
     return False
 
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from lmdock import LLM, BackendError, QuantConfig, SamplingParams, UnsupportedError
 from lmdock._config import model_config
-from lmdock_trtllm._refs import ConfigRef, EnumRef
+from lmdock_trtllm._refs import ConfigRef, EnumRef, TensorRef
 from lmdock_trtllm._translate import (
     LEGACY_KV_QUANT,
     LEGACY_QUANT_ALGOS,
@@ -128,10 +128,25 @@ def test_every_sampling_field_is_translated() -> None:
     assert covered == {"n", "temperature", "top_k", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
                        "max_new_tokens", "min_new_tokens", "ignore_eos", "stop", "stop_token_ids", "include_stop_str_in_output",
                        "detokenize", "skip_special_tokens", "seed", "logprobs", "prompt_logprobs", "beam_width", "length_penalty",
-                       "early_stopping", "structured_output",
+                       "early_stopping", "structured_output", "logit_bias", "allowed_token_ids", "bad_words",
                        # the core applies these before an engine sees the request: it truncates the prompt, and
                        # refuses logits_processors for request engines (they sample inside their engine)
                        "truncate_prompt_tokens", "logits_processors"}, "a new SamplingParams field needs a TensorRT-LLM translation"
+
+
+def test_token_biases_become_embedding_bias_bad_token_ids_and_bad() -> None:
+    p = SamplingParams(logit_bias={"3": -100, 1: 2.5}, allowed_token_ids=(1, 3, 4), bad_words=(" park", "red ball"))
+    kwargs = sampling_kwargs(p, prompt_len=3, max_seq_len=None, vocab_size=6)
+    check_kwargs("SamplingParams", kwargs)
+    assert kwargs["embedding_bias"] == TensorRef((0.0, 2.5, 0.0, -100.0, 0.0, 0.0))  # one value per token
+    assert kwargs["bad_token_ids"] == [0, 2, 5]  # every token outside allowed_token_ids
+    assert kwargs["bad"] == ["park", " park", "red ball", " red ball"]  # as written and after a space, as vLLM tokenizes them
+    with pytest.raises(UnsupportedError, match="vocab_size"):
+        sampling_kwargs(SamplingParams(logit_bias={1: 1}), prompt_len=3, max_seq_len=None)
+    with pytest.raises(UnsupportedError, match="outside the vocabulary"):
+        sampling_kwargs(SamplingParams(allowed_token_ids=(9,)), prompt_len=3, max_seq_len=None, vocab_size=6)
+    with pytest.raises(UnsupportedError, match="bad_words with beam search"):
+        sampling_kwargs(SamplingParams(bad_words=("x",), beam_width=2), prompt_len=3, max_seq_len=None, vocab_size=6)
 
 
 def test_structured_output_becomes_guided_decoding() -> None:

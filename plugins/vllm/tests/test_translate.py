@@ -25,7 +25,8 @@ def test_every_sampling_field_reaches_vllm() -> None:
         n=2, temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.25,
         repetition_penalty=1.1, max_new_tokens=33, min_new_tokens=4, ignore_eos=True, stop=("park", "ball"),
         stop_token_ids=(7, 9), include_stop_str_in_output=True, detokenize=True, skip_special_tokens=False,
-        seed=1234, logprobs=3, prompt_logprobs=2,
+        seed=1234, logprobs=3, prompt_logprobs=2, logit_bias={"432": -100, 7: 2.5}, allowed_token_ids=(7, 432, 9),
+        bad_words=("park",),
     )
     kwargs = sampling_kwargs(p, prompt_len=5, max_model_len=512, stream=True)
     v = VllmSamplingParams(**dict(kwargs, output_kind=RequestOutputKind[kwargs["output_kind"]]))
@@ -35,6 +36,7 @@ def test_every_sampling_field_reaches_vllm() -> None:
     assert v.stop == ["park", "ball"] and v.stop_token_ids == [7, 9] and v.include_stop_str_in_output
     assert (v.skip_special_tokens, v.logprobs, v.prompt_logprobs) == (False, 3, 2)
     assert v.output_kind == RequestOutputKind.CUMULATIVE
+    assert v.logit_bias == {432: -100.0, 7: 2.5} and v.allowed_token_ids == [7, 432, 9] and v.bad_words == ["park"]
 
 
 def test_greedy_and_defaults() -> None:

@@ -90,7 +90,7 @@ SPEC = BackendSpec(
     name="llamacpp",
     kind="step",
     plugin_api="1.0",
-    supports=frozenset({"generate", "chat", "stream", "sampling", "logprobs", "prompt_logprobs", "next_token_logprobs",
+    supports=frozenset({"generate", "chat", "stream", "sampling", "logit_bias", "logprobs", "prompt_logprobs", "next_token_logprobs",
                         "beam_search", "quantization"}),
     lacks={
         "structured_output": "the core's llguidance stage needs a Hugging Face tokenizer; llama.cpp's own vocabulary is not wired to it yet",

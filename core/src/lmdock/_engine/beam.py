@@ -160,4 +160,7 @@ UNSUPPORTED_WITH_BEAMS = {
     "structured_output": None,
     "logprobs": None,
     "stop": (),
+    "logit_bias": {},
+    "allowed_token_ids": None,
+    "bad_words": (),
 }

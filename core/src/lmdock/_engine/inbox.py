@@ -33,6 +33,8 @@ class Add:
     sink: OutputSink
     processors: Sequence[LogitsProcessor]
     constraints: Sequence[Any] | None
+    #: the token sequences of ``params.bad_words`` (``lmdock._engine.biases.bad_words_ids``)
+    bad_words: Sequence[Sequence[int]] = ()
 
     def refuse(self, error: BaseException) -> None:
         safe_fail(self.sink, error)

@@ -35,7 +35,7 @@ class Requests:
     def create(self, message: Add, new_seq_id: Callable[[], int]) -> Req:
         """A request and its sequences: one per completion (one for beam search, which forks more)."""
         request = message.request
-        req = Req(request, message.sink, message.processors, message.constraints)
+        req = Req(request, message.sink, message.processors, message.constraints, message.bad_words)
         for index in range(1 if req.beam is not None else request.params.n):
             req.seqs.append(Seq(new_seq_id(), req, index, self.engine))
         # n > 1: the prompt is prefilled once; the other completions fork its KV state (fan_out)

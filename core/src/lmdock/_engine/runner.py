@@ -41,6 +41,7 @@ import numpy as np
 
 from lmdock._contract import EngineRequest, OutputSink, SeqChunk, StepEngine
 from lmdock._engine.beam_step import BeamStepper
+from lmdock._engine.biases import bad_words_ids
 from lmdock._engine.failures import as_request_error, guard
 from lmdock._engine.forward import chunk_for, run_step
 from lmdock._engine.inbox import Abort, Add, ClearCache, Inbox, Message, Query
@@ -128,8 +129,9 @@ class StepRunner:
 
     def submit(self, request: EngineRequest, sink: OutputSink) -> None:
         processors = check_request(request, self.engine.vocab_size, self.max_seq_len, self._processors_for)
+        bad_words = bad_words_ids(request.params.bad_words, self.tokenizer, self.engine.vocab_size)
         constraints = compile_constraints(request, self._constraints_for)
-        self._inbox.post(Add(request, sink, processors, constraints))
+        self._inbox.post(Add(request, sink, processors, constraints, bad_words))
 
     def abort(self, request_id: str) -> None:
         self._inbox.post_abort(Abort(request_id))  # dropped while shutting down: that fails it anyway

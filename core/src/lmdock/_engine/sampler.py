@@ -3,21 +3,23 @@
 Pipeline, per row (the order is part of the contract; every backend's native sampler must keep it):
 
 1. raw logprobs: ``log_softmax`` of the model's logits, for ``logprobs`` and beam search;
-2. penalties: repetition (prompt and output; divide positive logits, multiply negative ones),
+2. ``allowed_token_ids``, ``bad_words``, then ``logit_bias`` (vLLM's order:
+   :class:`lmdock._engine.biases.TokenBias`);
+3. penalties: repetition (prompt and output; divide positive logits, multiply negative ones),
    frequency (times the count in the output) and presence (once per token seen in the output);
-3. logits processors contributed by plugins (``lmdock_logits_processors``), in registration order;
-4. min_new_tokens: EOS and stop tokens masked until the output is long enough;
-5. temperature (0 means greedy: argmax of the processed logits);
-6. min_p: drop tokens below ``min_p`` times the top probability;
-7. top_k, then top_p over what is left, renormalised;
-8. one draw from the request's own generator, seeded from ``(seed, completion index)``, so a
+4. logits processors contributed by plugins (``lmdock_logits_processors``), in registration order;
+5. min_new_tokens: EOS and stop tokens masked until the output is long enough;
+6. temperature (0 means greedy: argmax of the processed logits);
+7. min_p: drop tokens below ``min_p`` times the top probability;
+8. top_k, then top_p over what is left, renormalised;
+9. one draw from the request's own generator, seeded from ``(seed, completion index)``, so a
    request's samples never depend on what else is in the batch.
 
 The work is batch-wide, as vLLM's sampler does it: the path is chosen once per step from batch-wide
-flags.  Rows that are plain greedy (no penalties, no processors, nothing to mask, no logprobs) share one
-argmax; the other rows get penalties from token counts kept incrementally, then temperature, min_p,
-top_k, top_p and the draw as NumPy operations over all of them at once.  Per-row Python remains only
-for plugins' logits processors and the logprob entries a row asked for.
+flags.  Rows that are plain greedy (no biases, no penalties, no processors, nothing to mask, no
+logprobs) share one argmax; the other rows get penalties from token counts kept incrementally, then
+temperature, min_p, top_k, top_p and the draw as NumPy operations over all of them at once.  Per-row
+Python remains only for biases, plugins' logits processors and the logprob entries a row asked for.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from lmdock._engine.biases import TokenBias
+
 if TYPE_CHECKING:
     from lmdock._params import SamplingParams
 
@@ -36,7 +40,8 @@ LogitsProcessor = Callable[[list[int], np.ndarray], np.ndarray]
 
 @dataclass
 class SampleRow:
-    """What the sampler needs to know about one sequence."""
+    """What the sampler needs to know about one sequence.  ``bad_words_ids``: the token sequences
+    of ``params.bad_words`` (:func:`lmdock._engine.biases.bad_words_ids`, which needs the tokenizer)."""
 
     params: SamplingParams
     token_ids: list[int]
@@ -44,12 +49,18 @@ class SampleRow:
     rng: np.random.Generator
     eos_token_ids: tuple[int, ...] = ()
     processors: Sequence[LogitsProcessor] = ()
+    bad_words_ids: Sequence[Sequence[int]] = ()
 
     def __post_init__(self) -> None:
         p = self.params
+        if p.bad_words and not self.bad_words_ids:
+            raise ValueError("SampleRow: params.bad_words needs bad_words_ids, their token sequences "
+                             "(lmdock._engine.biases.bad_words_ids)")
         self.penalized = p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+        #: allowed_token_ids, bad_words and logit_bias, or None
+        self.bias = TokenBias(p, self.bad_words_ids) if p.biased else None
         #: greedy with nothing that could change the argmax (min_new_tokens aside, checked per step)
-        self.plain = p.greedy and not self.penalized and not self.processors
+        self.plain = p.greedy and not self.penalized and not self.processors and self.bias is None
         self._counts: np.ndarray | None = None
         self._counted = 0
         self._seen: np.ndarray | None = None
@@ -102,7 +113,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def apply_penalties(logits: np.ndarray, row: SampleRow) -> np.ndarray:
-    """Step 2, in place on a float32 row."""
+    """Step 3, in place on a float32 row."""
     p = row.params
     if p.repetition_penalty != 1.0:
         seen = np.unique(np.asarray(row.token_ids, dtype=np.int64))
@@ -115,7 +126,7 @@ def apply_penalties(logits: np.ndarray, row: SampleRow) -> np.ndarray:
 
 
 def mask_min_tokens(logits: np.ndarray, row: SampleRow) -> np.ndarray:
-    """Step 4, in place: no EOS or stop token before ``min_new_tokens`` output tokens."""
+    """Step 5, in place: no EOS or stop token before ``min_new_tokens`` output tokens."""
     if row.num_output < row.params.min_new_tokens:
         banned = list(row.params.stop_token_ids) + list(row.eos_token_ids)
         if banned:
@@ -124,7 +135,7 @@ def mask_min_tokens(logits: np.ndarray, row: SampleRow) -> np.ndarray:
 
 
 def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Steps 5-7: the exact probabilities a non-greedy draw uses (float64, sums to 1)."""
+    """Steps 6-8: the exact probabilities a non-greedy draw uses (float64, sums to 1)."""
     x = logits.astype(np.float64) / params.temperature
     x -= x.max()
     probs = np.exp(x)
@@ -143,17 +154,6 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         before = np.cumsum(sorted_p) - sorted_p  # mass of strictly more likely tokens
         probs[order[before >= params.top_p]] = 0.0
     return probs / probs.sum()
-
-
-def _needs_processing(row: SampleRow) -> bool:
-    p = row.params
-    return bool(
-        p.repetition_penalty != 1.0
-        or p.frequency_penalty
-        or p.presence_penalty
-        or row.processors
-        or row.num_output < p.min_new_tokens
-    )
 
 
 class ReferenceSampler:
@@ -190,9 +190,12 @@ class ReferenceSampler:
         return out
 
     def _sample_rows(self, logits: np.ndarray, rows: list[SampleRow]) -> list[int]:
-        """Steps 2-8 for rows that need them, vectorised over the rows."""
+        """Steps 2-9 for rows that need them, vectorised over the rows."""
         x = np.array(logits, dtype=np.float32, copy=True)
         vocab = x.shape[1]
+        for j, row in enumerate(rows):
+            if row.bias is not None:
+                row.bias.apply(x[j], row.token_ids, row.num_output)
         pen = [j for j, r in enumerate(rows) if r.penalized]
         if pen:
             x[pen] = _penalties([rows[j] for j in pen], x[pen], vocab)
@@ -213,7 +216,7 @@ class ReferenceSampler:
 
 
 def _penalties(rows: list[SampleRow], x: np.ndarray, vocab: int) -> np.ndarray:
-    """Step 2 for several rows at once, from incrementally kept counts: each row as ``apply_penalties``
+    """Step 3 for several rows at once, from incrementally kept counts: each row as ``apply_penalties``
     computes it (float32 for the repetition penalty, float64 for frequency and presence)."""
     rep = np.array([r.params.repetition_penalty for r in rows], dtype=np.float32)
     if (rep != 1.0).any():
@@ -230,7 +233,7 @@ def _penalties(rows: list[SampleRow], x: np.ndarray, vocab: int) -> np.ndarray:
 
 
 def distributions(logits: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarray:
-    """Steps 5-7 for several rows at once: each row's :func:`distribution`."""
+    """Steps 6-8 for several rows at once: each row's :func:`distribution`."""
     temps = np.array([p.temperature for p in params], dtype=np.float64)[:, None]
     x = logits.astype(np.float64) / temps
     x -= x.max(axis=-1, keepdims=True)

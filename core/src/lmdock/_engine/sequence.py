@@ -43,7 +43,7 @@ class Seq:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         seed = np.random.default_rng() if params.seed is None else np.random.default_rng([params.seed, index])
-        self.row = SampleRow(params, self.token_ids, self.prompt_len, seed, engine.eos_token_ids, req.processors)
+        self.row = SampleRow(params, self.token_ids, self.prompt_len, seed, engine.eos_token_ids, req.processors, req.bad_words)
         self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None or req.beam is not None else None
         self.detok = (
@@ -86,12 +86,14 @@ class Req:
     """One request: its sink, its sequences, its beam search and its prompt logprobs."""
 
     def __init__(
-        self, request: EngineRequest, sink: OutputSink, processors: Sequence[LogitsProcessor], constraints: Sequence[Any] | None = None
+        self, request: EngineRequest, sink: OutputSink, processors: Sequence[LogitsProcessor], constraints: Sequence[Any] | None = None,
+        bad_words: Sequence[Sequence[int]] = (),
     ) -> None:
         self.request = request
         self.sink = sink
         self.processors = processors
         self.constraints = constraints
+        self.bad_words = bad_words  # the token sequences of params.bad_words
         self.seqs: list[Seq] = []
         #: n > 1: completions waiting for the first one's prompt KV state, to fork it
         self.followers: list[Seq] = []

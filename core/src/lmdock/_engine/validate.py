@@ -1,6 +1,7 @@
 """Checking a request in the caller's thread, before it reaches the loop: a bad one fails at ``submit``.
 
-Token ids in the vocabulary and the context; stop strings only with text; logprob counts within the
+Token ids in the vocabulary and the context (the prompt's, ``logit_bias``'s and
+``allowed_token_ids``'); stop strings only with text; logprob counts within the
 vocabulary; the plugins' logits processors; what beam search does not honour, refused by name; and
 structured output compiled here, so a bad schema fails here too.
 """
@@ -12,6 +13,7 @@ from typing import Any
 
 from lmdock._contract import EngineRequest
 from lmdock._engine.beam import UNSUPPORTED_WITH_BEAMS
+from lmdock._engine.biases import check_token_fields
 from lmdock._engine.sampler import LogitsProcessor
 from lmdock._errors import LmdockError, RequestError
 
@@ -37,6 +39,7 @@ def check_request(
             "shorten the prompt to leave room for the output"
         )
     check_ids(ids, vocab, max_seq_len)
+    check_token_fields(p, vocab)
     if p.stop and not p.detokenize:
         raise RequestError("stop strings need detokenize=True; use stop_token_ids instead")
     bad_stop = next((t for t in p.stop_token_ids if not 0 <= t < vocab), None)

@@ -1,5 +1,6 @@
 """Request bodies in OpenAI's shapes (with vLLM's sampling extras), their mapping to SamplingParams
-through the one table of OpenAI's names (``lmdock._params.OPENAI_FIELDS``), and the usage object.
+through the one table of OpenAI's names (``lmdock._params.OPENAI_FIELDS``; the output constraints
+through ``lmdock.server._structured``), and the usage object.
 
 A field a body does not know is refused with a 400 naming it (and the closest known field), as
 ``lmdock batch`` refuses it: lmdock never silently drops what a request asks for.  A field sent as
@@ -18,6 +19,7 @@ from lmdock._outputs import RequestOutput
 from lmdock._params import OPENAI_FIELDS
 from lmdock._prompts import non_text_part
 from lmdock.server._errors import APIError
+from lmdock.server._structured import structured_output
 
 
 class _Body(BaseModel):
@@ -27,9 +29,10 @@ class _Body(BaseModel):
     @classmethod
     def _known_fields(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            known = [f.alias or name for name, f in cls.model_fields.items()]  # a body's names (json, not json_)
             for key, value in data.items():
-                if value is not None and key not in cls.model_fields:
-                    raise PydanticCustomError("unknown_field", "{message}", {"field": key, "message": unknown_field(key, cls.model_fields)})
+                if value is not None and key not in known:
+                    raise PydanticCustomError("unknown_field", "{message}", {"field": key, "message": unknown_field(key, known)})
         where = _lone_surrogate(data, "")
         if where is not None:
             raise PydanticCustomError("invalid_text", "{message}", {"message": f"{where or 'the body'} holds a lone UTF-16 "
@@ -65,6 +68,16 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs`` object: one of these."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # not BaseModel.json
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _Sampling(_Body):
     # OpenAI's ranges (a float past them, or inf/nan, is a 400 naming the field, as OpenAI answers)
     model: str | None = None
@@ -88,6 +101,14 @@ class _Sampling(_Body):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's too: token ids as the object's keys
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def max_tokens_field(self) -> str | None:
         """The name under which the client asked for a number of tokens, or None (the defaults apply)."""
@@ -104,6 +125,9 @@ class _Sampling(_Body):
                 out[key] = value
         if self.stop is not None:
             out["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        so = structured_output(self)
+        if so is not None:
+            out["structured_output"] = so
         return out
 
 
@@ -184,15 +208,6 @@ class ChatRequest(_Sampling):
             out["logprobs"] = self.top_logprobs or 0
         elif self.top_logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        rf = self.response_format
-        if rf is not None and rf.type != "text":
-            if rf.type == "json_object":
-                out["structured_output"] = {"json": {"type": "object"}}
-            else:
-                schema = (rf.json_schema or {}).get("schema")
-                if not isinstance(schema, dict):
-                    raise APIError(400, "response_format.json_schema.schema must be a JSON schema object", param="response_format")
-                out["structured_output"] = {"json": schema}
         return out
 
 

@@ -47,7 +47,7 @@ SPEC = BackendSpec(
     name="trtllm",
     kind="request",
     plugin_api="1.0",
-    supports=frozenset({"generate", "stream", "sampling", "logprobs", "prompt_logprobs", "beam_search", "structured_output", "quantization"}),
+    supports=frozenset({"generate", "stream", "sampling", "logit_bias", "logprobs", "prompt_logprobs", "beam_search", "structured_output", "quantization"}),
     lacks={
         "chat": "not wired yet: TensorRT-LLM's tokenizer has apply_chat_template, lmdock-trtllm does not call it yet",
         "next_token_logprobs": "TensorRT-LLM schedules for itself; no per-prefix logprob queries",

@@ -44,9 +44,11 @@ def _llm_class(api: Api) -> Any:
 
 
 class TrtllmEngine:
-    def __init__(self, llm: Any, api: Api, max_seq_len: int, generation_config: dict[str, Any], guided_backend: str | None = None) -> None:
+    def __init__(self, llm: Any, api: Api, max_seq_len: int, generation_config: dict[str, Any], guided_backend: str | None = None,
+                 vocab_size: int | None = None) -> None:
         self._llm = llm
         self.guided_backend = guided_backend
+        self.vocab_size = vocab_size  # the logits' width, for logit_bias and allowed_token_ids
         self.api = api
         self.tokenizer = getattr(llm, "tokenizer", None)
         self.max_seq_len = max_seq_len
@@ -70,7 +72,8 @@ class TrtllmEngine:
         except ValueError as exc:  # unknown or invalid arguments, checked before anything loads
             raise BackendError(f"TensorRT-LLM refused the configuration of {mc.model!r}: {exc}") from exc
         max_seq_len = int(getattr(getattr(llm, "args", None), "max_seq_len", None) or llm_kwargs.get("max_seq_len") or 0) or _context(mc.model)
-        return cls(llm, api, max_seq_len, read_model_json(mc.model, "generation_config.json"), llm_kwargs.get("guided_decoding_backend"))
+        return cls(llm, api, max_seq_len, read_model_json(mc.model, "generation_config.json"), llm_kwargs.get("guided_decoding_backend"),
+                   read_model_json(mc.model, "config.json").get("vocab_size"))
 
     # -- the RequestEngine interface ------------------------------------------------------------
 
@@ -81,7 +84,7 @@ class TrtllmEngine:
             raise RequestError(f"the prompt has {len(request.prompt_token_ids)} tokens but the model's context is {self.max_seq_len}")
         try:
             kwargs = sampling_kwargs(request.params, prompt_len=len(request.prompt_token_ids), max_seq_len=self.max_seq_len,
-                                     guided_backend=self.guided_backend)
+                                     guided_backend=self.guided_backend, vocab_size=self.vocab_size)
         except UnsupportedError as exc:
             raise RequestError(str(exc)) from None
         from tensorrt_llm import SamplingParams

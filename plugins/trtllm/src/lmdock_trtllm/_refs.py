@@ -1,7 +1,8 @@
 """Placeholders for TensorRT-LLM objects, so translation needs no ``tensorrt_llm`` import.
 
 The translation produces plain dicts whose values may be a :class:`ConfigRef` (a config class and
-its keyword arguments) or an :class:`EnumRef` (an enum and a member name).  The engine turns them
+its keyword arguments), an :class:`EnumRef` (an enum and a member name) or a :class:`TensorRef` (a
+float32 tensor's values).  The engine turns them
 into real objects with the installed module (:func:`materialize`); the tests check them against the
 recorded API facts.
 """
@@ -22,6 +23,13 @@ class EnumRef:
 class ConfigRef:
     cls: str
     kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A float32 ``torch.Tensor`` of these values (``SamplingParams.embedding_bias``)."""
+
+    values: tuple[float, ...]
 
 
 #: Where each referenced name lives in tensorrt_llm (first match wins).
@@ -47,6 +55,10 @@ def materialize(value: Any) -> Any:
         return getattr(_lookup(value.enum), value.member)
     if isinstance(value, ConfigRef):
         return _lookup(value.cls)(**materialize(value.kwargs))
+    if isinstance(value, TensorRef):
+        import torch
+
+        return torch.tensor(value.values, dtype=torch.float32)
     if isinstance(value, dict):
         return {k: materialize(v) for k, v in value.items()}
     if isinstance(value, list):

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from lmdock import ModelConfig, QuantConfig, SamplingParams, UnsupportedError
 
-from lmdock_trtllm._refs import ConfigRef, EnumRef
+from lmdock_trtllm._refs import ConfigRef, EnumRef, TensorRef
 
 Api = Literal["current", "legacy"]
 
@@ -164,10 +164,12 @@ def llm_kwargs(mc: ModelConfig, api: Api, *, skip_tokenizer_init: bool = False, 
 # -------------------------------------------------------------------------------------------------
 
 
-def sampling_kwargs(p: SamplingParams, *, prompt_len: int, max_seq_len: int | None, guided_backend: str | None = None) -> dict[str, Any]:
+def sampling_kwargs(p: SamplingParams, *, prompt_len: int, max_seq_len: int | None, guided_backend: str | None = None,
+                    vocab_size: int | None = None) -> dict[str, Any]:
     """Keyword arguments for ``tensorrt_llm.SamplingParams(**kwargs)`` for one request.
 
-    ``guided_backend`` is the LLM's ``guided_decoding_backend``, which structured output needs.
+    ``guided_backend`` is the LLM's ``guided_decoding_backend``, which structured output needs;
+    ``vocab_size`` (the model's logits width) is what ``logit_bias`` and ``allowed_token_ids`` need.
     """
     kwargs: dict[str, Any] = {}
     if p.max_new_tokens is not None:
@@ -203,7 +205,36 @@ def sampling_kwargs(p: SamplingParams, *, prompt_len: int, max_seq_len: int | No
         kwargs["logprobs_mode"] = EnumRef("LogprobMode", "RAW")  # lmdock's logprobs are the raw model's
     if p.structured_output is not None:
         kwargs["guided_decoding"] = guided_decoding(p, guided_backend)
+    if p.biased:
+        kwargs.update(token_biases(p, vocab_size))
     return kwargs
+
+
+def token_biases(p: SamplingParams, vocab_size: int | None) -> dict[str, Any]:
+    """``logit_bias`` -> ``embedding_bias`` (one value per token), ``allowed_token_ids`` -> every
+    other token in ``bad_token_ids``, ``bad_words`` -> ``bad``: each word as written and after a
+    space (TensorRT-LLM tokenizes them; vLLM keeps the second form only where it gives another
+    word-initial token of the same length, so here a word can be banned in one more spelling)."""
+    if p.beam_width > 1:
+        given = [n for n in ("logit_bias", "allowed_token_ids", "bad_words") if getattr(p, n) not in ({}, None, ())]
+        raise UnsupportedError(f"{', '.join(given)} with beam search: lmdock's beam search ranks the model's own logprobs; "
+                               "remove them, or sample without beam_width")
+    out: dict[str, Any] = {}
+    if p.logit_bias or p.allowed_token_ids is not None:
+        if vocab_size is None:
+            raise UnsupportedError("logit_bias / allowed_token_ids: the model's vocab_size is unknown (no config.json), "
+                                   "which TensorRT-LLM's embedding_bias and bad_token_ids need")
+        bad = next((t for t in [*p.logit_bias, *(p.allowed_token_ids or ())] if t >= vocab_size), None)
+        if bad is not None:
+            raise UnsupportedError(f"token id {bad} (logit_bias / allowed_token_ids) is outside the vocabulary [0, {vocab_size})")
+    if p.logit_bias:
+        out["embedding_bias"] = TensorRef(tuple(p.logit_bias.get(t, 0.0) for t in range(vocab_size)))  # type: ignore[arg-type]
+    if p.allowed_token_ids is not None:
+        allowed = set(p.allowed_token_ids)
+        out["bad_token_ids"] = [t for t in range(vocab_size) if t not in allowed]  # type: ignore[arg-type]
+    if p.bad_words:
+        out["bad"] = [form for w in p.bad_words for form in (w.lstrip(), " " + w.lstrip())]
+    return out
 
 
 def guided_decoding(p: SamplingParams, guided_backend: str | None) -> ConfigRef:

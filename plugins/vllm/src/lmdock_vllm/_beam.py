@@ -86,6 +86,9 @@ def beam_ignored(p: Any) -> list[tuple[str, Any, Any]]:
         ("frequency_penalty", p.frequency_penalty, 0.0),
         ("repetition_penalty", p.repetition_penalty, 1.0),
         ("structured_output", p.structured_output, None),
+        ("logit_bias", p.logit_bias, {}),
+        ("allowed_token_ids", p.allowed_token_ids, None),
+        ("bad_words", p.bad_words, ()),
     ]
 
 

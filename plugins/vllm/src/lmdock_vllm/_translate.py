@@ -164,6 +164,13 @@ def sampling_kwargs(p: SamplingParams, *, prompt_len: int, max_model_len: int, s
         "prompt_logprobs": p.prompt_logprobs,
         "output_kind": "CUMULATIVE" if stream else "FINAL_ONLY",
     }
+    # vLLM's own fields, with the semantics lmdock's sampler copies (bad words tokenized by vLLM)
+    if p.logit_bias:
+        kwargs["logit_bias"] = dict(p.logit_bias)
+    if p.allowed_token_ids is not None:
+        kwargs["allowed_token_ids"] = list(p.allowed_token_ids)
+    if p.bad_words:
+        kwargs["bad_words"] = list(p.bad_words)
     so = p.structured_output
     if so is not None:  # vllm.sampling_params.StructuredOutputsParams(**...), built in _convert.py
         # a JSON schema as lmdock reads it ("object": any object; JSON text parsed), RequestError otherwise
