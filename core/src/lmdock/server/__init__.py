@@ -8,7 +8,7 @@ named in the config file and runs it until SIGTERM/SIGINT, draining in-flight re
 from __future__ import annotations
 
 from lmdock.server._app import create_app
+from lmdock.server._pool import ServedModel
 from lmdock.server._run import serve
-from lmdock.server._state import ServedModel
 
 __all__ = ["ServedModel", "create_app", "serve"]
