@@ -179,6 +179,25 @@ def test_keep_alive_zero_unloads_after_the_request_and_a_pinned_model_stays(kept
     assert _complete(kept, "p").json()["choices"][0]["text"] == DOCUMENTED
 
 
+def test_a_requests_keep_alive_is_the_models_from_then_on(kept: Server) -> None:
+    def complete(model: str, keep_alive: object) -> httpx.Response:
+        return httpx.post(f"{kept.url}/v1/completions", timeout=120, json={
+            "model": model, "prompt": "Once upon a time", "max_tokens": 5, "keep_alive": keep_alive})
+
+    r = complete("stories", "soon")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "keep_alive" and "'5m'" in r.json()["error"]["message"]
+    r = complete("p", "5m")
+    assert r.status_code == 400 and "pinned" in r.json()["error"]["message"]
+    card = httpx.get(f"{kept.url}/v1/models/stories", timeout=10).json()
+    assert card["keep_alive"] == -1
+    unloads = _metric(kept, "lmdock:model_unloads_total", model_name="stories", reason="keep_alive")
+    assert complete("stories", 0).status_code == 200  # Ollama's keep_alive 0: unload once answered
+    _until(lambda: _states(kept)["stories"] == "unloaded", "stories unloaded after a request with keep_alive 0")
+    assert _metric(kept, "lmdock:model_unloads_total", model_name="stories", reason="keep_alive") == unloads + 1
+    assert complete("stories", "1h30m").status_code == 200
+    assert httpx.get(f"{kept.url}/v1/models/stories", timeout=10).json()["keep_alive"] == 5400
+
+
 @pytest.fixture(scope="module")
 def budget(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A memory budget smaller than the first load (which counts torch's import): each load makes room."""

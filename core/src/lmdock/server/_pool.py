@@ -29,6 +29,7 @@ import functools
 import gc
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -97,6 +98,29 @@ def queue_limit(settings: ServerConfig, config: ModelConfig) -> int:
     return settings.max_queue or (config.scheduler.max_num_seqs + config.scheduler.max_waiting)
 
 
+_DURATION = re.compile(r"(\d+(?:\.\d*)?)(ms|s|m|h)")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive_seconds(value: float | str) -> float:
+    """Ollama's ``keep_alive``: seconds, or a Go duration (``"5m"``, ``"1h30m"``, ``"300ms"``); negative
+    is for ever (-1).  Anything else is a ValueError saying what to send."""
+    if isinstance(value, str):
+        text = value.strip()
+        sign, body = (-1.0, text[1:]) if text.startswith("-") else (1.0, text)
+        try:
+            seconds = float(body)
+        except ValueError:
+            parts = _DURATION.findall(body)
+            if not parts or "".join(n + u for n, u in parts) != body:
+                raise ValueError(f"{value!r} is not a duration: send seconds, or a duration such as '5m', '1h30m', '-1'") from None
+            seconds = sum(float(n) * _UNITS[u] for n, u in parts)
+        value = sign * seconds
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ValueError(f"{value!r} is not a duration: send seconds, or a duration such as '5m', '1h30m', '-1'")
+    return -1.0 if value < 0 else float(value)
+
+
 def resident_bytes() -> int:
     """The process's resident memory now, plus the GPU memory torch has reserved if it has a GPU up."""
     try:
@@ -149,8 +173,14 @@ class ModelPool:
 
     # -- what routes call -----------------------------------------------------------------------
 
-    async def acquire(self, sm: ServedModel, scope: dict[str, Any]) -> ServedModel:
-        """``sm`` loaded and held for the request of ``scope`` (:class:`HoldRelease` lets go of it)."""
+    async def acquire(self, sm: ServedModel, scope: dict[str, Any], keep_alive: float | None = None) -> ServedModel:
+        """``sm`` loaded and held for the request of ``scope`` (:class:`HoldRelease` lets go of it).
+        ``keep_alive``: the request's (Ollama's), the model's from now on."""
+        if keep_alive is not None:
+            if sm.pin or sm.loader is None:
+                raise APIError(400, f"keep_alive: model {sm.name!r} is pinned: it stays loaded whatever a request asks; "
+                                    "leave keep_alive out", param="keep_alive")
+            sm.keep_alive = keep_alive
         self.start()
         sm.holds += 1  # held before the load: a model a request waits for is not evicted meanwhile
         scope[HOLDS].append(sm)

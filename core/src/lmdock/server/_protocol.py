@@ -11,12 +11,13 @@ from __future__ import annotations
 import difflib
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from lmdock._outputs import RequestOutput
 from lmdock._params import OPENAI_FIELDS
 from lmdock.server._errors import APIError
+from lmdock.server._pool import keep_alive_seconds
 
 
 class _Body(BaseModel):
@@ -87,6 +88,13 @@ class _Sampling(_Body):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    # Ollama's: how long the model stays loaded once idle, from this request on (seconds or "5m"; < 0: for ever)
+    keep_alive: float | None = None
+
+    @field_validator("keep_alive", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> float | None:
+        return None if value is None else keep_alive_seconds(value)
 
     def max_tokens_field(self) -> str | None:
         """The name under which the client asked for a number of tokens, or None (the defaults apply)."""

@@ -63,6 +63,10 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self._lmdock = state
 
+    async def startup(self, sockets: Any = None) -> None:
+        self._lmdock.pool.start()  # the keep_alive reaper runs from the start, not from the first request
+        await super().startup(sockets)
+
     def handle_exit(self, sig: int, frame: Any) -> None:
         if not self._lmdock.draining:
             log.info("lmdock serve: draining (up to %ss for requests in flight)", self._lmdock.settings.shutdown_timeout)

@@ -39,10 +39,10 @@ class ServerState:
                            param="model", code="model_not_found")
         return sm
 
-    async def model(self, name: str | None, request: Request) -> ServedModel:
+    async def model(self, name: str | None, request: Request, keep_alive: float | None = None) -> ServedModel:
         """The model a request names, loaded (it waits for a load under way), held until the response
-        has been sent: nothing unloads it under the request."""
-        return await self.pool.acquire(self.served(name), request.scope)
+        has been sent: nothing unloads it under the request.  ``keep_alive``: the request's, in seconds."""
+        return await self.pool.acquire(self.served(name), request.scope, keep_alive)
 
     def sampling_params(self, sm: ServedModel, overrides: dict[str, Any], sent: Any = None) -> Any:
         """``sm``'s default SamplingParams with a request's overrides; a bad value, or more work than
