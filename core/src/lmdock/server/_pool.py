@@ -28,6 +28,7 @@ import ctypes
 import functools
 import gc
 import logging
+import math
 import os
 import re
 import sys
@@ -92,7 +93,6 @@ class ServedModel:
         return (self.root, self.name)
 
 
-
 def queue_limit(settings: ServerConfig, config: ModelConfig) -> int:
     """A model's admission bound: ``[server] max_queue``, else its scheduler's seats and waiting room."""
     return settings.max_queue or (config.scheduler.max_num_seqs + config.scheduler.max_waiting)
@@ -116,7 +116,7 @@ def keep_alive_seconds(value: float | str) -> float:
                 raise ValueError(f"{value!r} is not a duration: send seconds, or a duration such as '5m', '1h30m', '-1'") from None
             seconds = sum(float(n) * _UNITS[u] for n, u in parts)
         value = sign * seconds
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{value!r} is not a duration: send seconds, or a duration such as '5m', '1h30m', '-1'")
     return -1.0 if value < 0 else float(value)
 
