@@ -196,6 +196,9 @@ def test_a_requests_keep_alive_is_the_models_from_then_on(kept: Server) -> None:
     assert _metric(kept, "lmdock:model_unloads_total", model_name="stories", reason="keep_alive") == unloads + 1
     assert complete("stories", "1h30m").status_code == 200
     assert httpx.get(f"{kept.url}/v1/models/stories", timeout=10).json()["keep_alive"] == 5400
+    assert complete("stories", "1s").status_code == 200  # the reaper's clock, not a request ending, unloads it
+    _until(lambda: _states(kept)["stories"] == "unloaded", "stories unloaded a second after its last request")
+    assert _metric(kept, "lmdock:model_unloads_total", model_name="stories", reason="keep_alive") == unloads + 2
 
 
 @pytest.fixture(scope="module")

@@ -72,6 +72,7 @@ class ServedModel:
     last_used: float = 0.0  # time.time() of the last request's end; 0: never used
     memory_bytes: int | None = None
     loading: Any = None  # the asyncio future of a load under way
+    unloading: bool = False  # its engine is being shut down (``llm`` is None already)
 
     def __post_init__(self) -> None:
         if self.llm is not None:
@@ -79,8 +80,10 @@ class ServedModel:
 
     @property
     def state(self) -> str:
-        """``loaded``, ``loading`` or ``unloaded``."""
-        return "loaded" if self.llm is not None else "loading" if self.loading is not None else "unloaded"
+        """``loaded``, ``loading``, ``unloading`` or ``unloaded``."""
+        if self.llm is not None:
+            return "loaded"
+        return "loading" if self.loading is not None else "unloading" if self.unloading else "unloaded"
 
     @property
     def busy(self) -> bool:
@@ -322,9 +325,12 @@ class ModelPool:
 
     async def _unload(self, sm: ServedModel, reason: str) -> None:
         """Unload ``sm`` (the lock held; ``sm`` idle).  ``llm`` is None at once, before the first await."""
-        box, sm.llm = [sm.llm], None
+        box, sm.llm, sm.unloading = [sm.llm], None, True
         before = resident_bytes()
-        await asyncio.to_thread(_free, box)
+        try:
+            await asyncio.to_thread(_free, box)
+        finally:
+            sm.unloading = False
         freed = max(before - resident_bytes(), 0)
         # what came back is the model's: not the backend's imports (which its first load counted), but the
         # weights it touched after the load (mmap-ed files count as they are read)
