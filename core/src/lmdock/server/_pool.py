@@ -48,7 +48,7 @@ HOLDS = "lmdock.holds"
 _GIB = 2**30
 
 
-@dataclass
+@dataclass(eq=False)  # one model: compared by identity
 class ServedModel:
     """One model the server answers for: its public name, the ``LLM`` (None while unloaded), its
     admission bound, and what the pool (``_pool.py``) needs to load it again and decide when to unload.
@@ -225,7 +225,8 @@ class ModelPool:
         self._load_sync(sm)
 
     def start(self) -> None:
-        """Make the lock and start the keep_alive reaper, in the server's event loop (on its first request)."""
+        """Make the lock and start the keep_alive reaper, in the server's event loop (at its startup, or at the
+        first request of an app served otherwise)."""
         if self._reaper is None:
             self._lock, self._wake = asyncio.Lock(), asyncio.Event()
             self._reaper = asyncio.get_running_loop().create_task(self._reap())
@@ -291,8 +292,8 @@ class ModelPool:
         if self.budget is not None:
             used, need = sum(m.memory_bytes or 0 for m in others), sm.memory_bytes
             if used + (need or 0) > self.budget or (need is None and used >= self.budget):
-                return (f"the loaded models take {_gib(used)} GiB, model {sm.name!r} {_gib(need)} GiB (measured at its "
-                        f"last load), and [server] memory_budget_gib is {self.settings.memory_budget_gib}")
+                return (f"the loaded models take {_gib(used)} GiB, model {sm.name!r} {_gib(need)} GiB (measured), "
+                        f"and [server] memory_budget_gib is {self.settings.memory_budget_gib}")
         return None
 
     def _idle(self, sm: ServedModel) -> list[ServedModel]:

@@ -1,4 +1,5 @@
-"""Load the models, run uvicorn, drain on SIGTERM/SIGINT, shut the engines down, exit 0."""
+"""Choose the models to serve (loading those named, pinned or preloaded), run uvicorn, drain on
+SIGTERM/SIGINT, shut the engines down, exit 0."""
 
 from __future__ import annotations
 
