@@ -229,3 +229,14 @@ def test_a_memory_budget_unloads_idle_models_and_refuses_past_busy_ones(budget: 
     cards = {m["id"]: m for m in httpx.get(f"{budget.url}/v1/models", timeout=10).json()["data"]}
     assert sum(m["memory_bytes"] for m in cards.values() if m["state"] == "loaded") <= limit, cards
     assert _metric(budget, "lmdock:model_unloads_total", model_name="stories", reason="evicted") >= 1
+
+
+def test_more_models_loaded_at_start_than_max_loaded_models_stops_the_server(tmp_path: Path,
+                                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from lmdock._cli import main
+
+    (tmp_path / "lmdock.toml").write_text("[server]\nmax_loaded_models = 1\n" + _entry("a", "pin = true") + _entry("b", "preload = true"),
+                                          encoding="utf-8")
+    assert main(["serve", "--config", str(tmp_path / "lmdock.toml")]) == 2
+    err = capsys.readouterr().err
+    assert "2 models are loaded at start (a, b" in err and "max_loaded_models = 1" in err
