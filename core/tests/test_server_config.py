@@ -38,11 +38,28 @@ def test_values_are_read(isolated: Path) -> None:
     ("max_queue = 0", "server.max_queue"),
     ("shutdown_timeout = -1", "server.shutdown_timeout"),
     ("listen = 1", "server.listen"),
+    ("memory_budget_gib = 0", "server.memory_budget_gib"),
+    ("max_loaded_models = 0", "server.max_loaded_models"),
 ])
 def test_mistakes_name_the_key(isolated: Path, text: str, key: str) -> None:
     with pytest.raises(ConfigError) as exc:
         _load(isolated, text)
     assert exc.value.key == key
+
+
+def test_a_models_pool_keys_are_read_and_checked(isolated: Path) -> None:
+    path = isolated / "lmdock.toml"
+    path.write_text('[server]\nmemory_budget_gib = 1.5\nmax_loaded_models = 2\n'
+                    '[models.a]\nmodel = "org/a"\nkeep_alive = 0\npin = true\n[models.b]\nmodel = "org/b"\npreload = true\n')
+    cfg = load_config(path)
+    assert (cfg.server.memory_budget_gib, cfg.server.max_loaded_models) == (1.5, 2)
+    a, b = cfg.models["a"], cfg.models["b"]
+    assert (a.keep_alive, a.pin, a.preload, b.keep_alive, b.pin, b.preload) == (0.0, True, False, -1.0, False, True)
+    for bad, key in (("keep_alive = -2", "models.m.keep_alive"), ("pin = 1", "models.m.pin"), ("preload = 'yes'", "models.m.preload")):
+        path.write_text(f"{MODEL}{bad}\n")
+        with pytest.raises(ConfigError) as exc:
+            load_config(path)
+        assert exc.value.key == key, bad
 
 
 def test_schema_has_the_server_table(isolated: Path) -> None:

@@ -127,15 +127,17 @@ def _parser() -> Parser:
     e.add_argument("--truncate", type=int, metavar="N", help="cut longer texts to N tokens (-1: the model's maximum)")
     e.set_defaults(func=cmd_embed)
     sv = sub.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API (pip install 'lmdock[serve]')",
-                        description="Serve the config file's models (the named ones, by default default_model) over "
+                        description="Serve the config file's models (the named ones, by default all of them, each loaded when a "
+                        "request first names it under [server] max_loaded_models / memory_budget_gib) over "
                         "OpenAI's HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /v1/models/{id}, "
+                        "/v1/models/{id}/load, /v1/models/{id}/unload, "
                         "/v1/embeddings, /v1/score and /score, /v1/rerank and /rerank, /tokenize, /detokenize, "
                         "/tokenizer_info, /health, /metrics, /stats. Settings come from the config's [server] table; "
                         "SIGTERM/SIGINT drain the requests in flight, then exit 0. See docs/server.md.")
     sv.add_argument("model", nargs="?", metavar="MODEL_OR_PATH",
                     help="a model name in the config file, a local path or a hub id (as `vllm serve MODEL`)")
     sv.add_argument("-m", "--model", action="append", dest="models", metavar="MODEL",
-                    help="a model name in the config file (repeatable; default: the config's default_model)")
+                    help="a model name in the config file, loaded at start (repeatable; default: every model of the config)")
     # vLLM's flags, as `vllm serve` users type them, onto lmdock's portable config
     sv.add_argument("--served-model-name", metavar="NAME", help="the name clients use for the (one) model")
     sv.add_argument("--max-model-len", type=int, metavar="N", help="context length: [models.NAME.build] max_seq_len")

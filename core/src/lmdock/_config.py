@@ -29,7 +29,7 @@ from lmdock._params import (
     SchedulerConfig,
     ServerConfig,
 )
-from lmdock._schema import build, coerce, json_schema, unknown_key
+from lmdock._schema import FieldError, build, coerce, json_schema, unknown_key
 
 _VAR = re.compile(r"\$\{env\.([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
@@ -42,7 +42,8 @@ SECTIONS: dict[str, type] = {
     "offload": OffloadPolicy,
     "pooling": PoolingParams,
 }
-_MODEL_KEYS = {"model", "backend", "fallback", "tokenizer", "revision", "trust_remote_code", "sampling", "backends"}
+_MODEL_KEYS = {"model", "backend", "fallback", "tokenizer", "revision", "trust_remote_code", "sampling", "backends",
+               "keep_alive", "pin", "preload"}
 
 
 @dataclass
@@ -138,6 +139,9 @@ def model_config(
     for opt in ("tokenizer", "revision"):
         kwargs[opt] = coerce(entry.get(opt), str | None, key(opt), source)
     kwargs["trust_remote_code"] = coerce(entry.get("trust_remote_code", False), bool, key("trust_remote_code"), source)
+    kwargs["keep_alive"] = coerce(entry.get("keep_alive", -1), float, key("keep_alive"), source)
+    for flag in ("pin", "preload"):
+        kwargs[flag] = coerce(entry.get(flag, False), bool, key(flag), source)
     for section, cls in SECTIONS.items():
         value = entry.get(section, {})
         # a copy: an editable section (BuildConfig) set later must not reach a loaded model
@@ -152,7 +156,10 @@ def model_config(
     for bname, opts in backends.items():
         coerce(opts, dict[str, Any], key(f"backends.{bname}"), source)
     kwargs["backends"] = backends
-    return ModelConfig(**kwargs)
+    try:
+        return ModelConfig(**kwargs)
+    except FieldError as exc:
+        raise ConfigError(str(exc).split(": ", 1)[1], source=source, key=key(exc.field)) from None
 
 
 def _explicit_fields(params: SamplingParams) -> dict[str, Any]:
@@ -212,6 +219,9 @@ def config_schema(backend_options: dict[str, type] | None = None) -> dict[str, A
         "revision": {"type": "string"},
         "trust_remote_code": {"type": "boolean", "default": False},
         "sampling": json_schema(SamplingParams),
+        "keep_alive": {"type": "number", "default": -1, "description": "seconds idle before a server unloads it; 0: when idle; -1: never"},
+        "pin": {"type": "boolean", "default": False, "description": "a server loads it at start and never unloads it"},
+        "preload": {"type": "boolean", "default": False, "description": "a server loads it at start"},
     }
     for section, cls in SECTIONS.items():
         model_props[section] = json_schema(cls)

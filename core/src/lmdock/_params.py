@@ -513,6 +513,8 @@ class ServerConfig(_Replaceable):
     scheduler.max_waiting``.  ``max_n``, ``max_logprobs`` (vLLM's default, and OpenAI's top_logprobs
     bound), ``max_stop_strings`` and ``max_stop_length`` bound the work one request may ask for;
     ``template_timeout`` and ``max_prompt_chars`` bound a chat template's render (``server/_templates.py``).
+    ``memory_budget_gib`` and ``max_loaded_models`` bound the models loaded at once (``server/_pool.py``):
+    the least recently used idle model is unloaded to make room; None is no bound.
     """
 
     host: str = "127.0.0.1"
@@ -533,9 +535,13 @@ class ServerConfig(_Replaceable):
     trust_request_chat_template: bool = False
     template_timeout: float = 5.0
     max_prompt_chars: int = 4_194_304
+    memory_budget_gib: float | None = None
+    max_loaded_models: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins or ()))
+        _range("memory_budget_gib", self.memory_budget_gib, 0.0, lo_open=True)
+        _int("max_loaded_models", self.max_loaded_models, 1)
         for name in ("max_n", "max_stop_strings", "max_stop_length"):
             _int(name, getattr(self, name), 1, optional=False)
         _int("max_logprobs", self.max_logprobs, 0, optional=False)
@@ -571,9 +577,16 @@ class ModelConfig:
     sampling: dict[str, Any] = field(default_factory=dict)
     backends: dict[str, Any] = field(default_factory=dict)
     source: str | None = None
+    #: for a server (or any ``ModelPool`` user) holding several models: seconds idle before the model
+    #: is unloaded (0: as soon as it is idle; -1: never), always loaded (``pin``), loaded at start (``preload``)
+    keep_alive: float = -1
+    pin: bool = False
+    preload: bool = False
 
     def __post_init__(self) -> None:
         check(bool(self.model), "model", "must be a local path or a hub id")
+        check(self.keep_alive == -1 or self.keep_alive >= 0, "keep_alive",
+              f"must be seconds >= 0, or -1 (never unload), got {self.keep_alive!r}")
 
     def backend_options(self, backend: str) -> dict[str, Any]:
         """The raw ``[models.NAME.backends.BACKEND]`` table (validated by that backend)."""

@@ -18,26 +18,32 @@ from lmdock.server import (
 from lmdock.server._errors import install_error_handlers, json_error
 from lmdock.server._guard import Guard
 from lmdock.server._metrics import Metrics
-from lmdock.server._state import ServedModel, ServerState, engine_stats
+from lmdock.server._pool import HoldRelease, ModelPool, ServedModel
+from lmdock.server._state import ServerState, engine_stats
 
 #: One router per endpoint family, in the order their routes are matched.
 ROUTERS = (serving_health, serving_models, serving_tokenize, serving_completion, serving_chat, serving_pooling)
 
 
 def create_app(models: list[ServedModel], settings: ServerConfig | None = None, api_key: str | None = None) -> FastAPI:
-    """The ASGI app serving ``models`` (the first is the default when a request names none)."""
+    """The ASGI app serving ``models`` (the first is the default when a request names none).  A model
+    handed over loaded stays loaded; one with a ``loader`` and no ``llm`` is loaded when a request names it."""
     settings = settings or ServerConfig()
     if not models:
         raise ValueError("create_app needs at least one model")
     served = {m.name: m for m in models}
-    metrics = Metrics(lambda: {name: engine_stats(m) for name, m in served.items()})
-    state = ServerState(served, settings, api_key, metrics)
+    metrics = Metrics(lambda: {name: engine_stats(m) for name, m in served.items()},
+                      lambda: {name: (m.llm is not None, m.memory_bytes) for name, m in served.items()})
+    pool = ModelPool(served, settings, metrics)
+    state = ServerState(served, settings, api_key, metrics, pool)
     app = FastAPI(title="lmdock", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.lmdock = state
     install_error_handlers(app)
     for module in ROUTERS:
         app.include_router(module.router)
-    # Outermost first: body limit, then auth, then CORS (so a preflight needs no key), then drain.
+    # Outermost first: body limit, then auth, then CORS (so a preflight needs no key), then drain, then
+    # the holds on models, let go when the response has been sent.
+    app.add_middleware(HoldRelease, pool=pool)
     app.add_middleware(Guard, state=state)
     if settings.cors_origins:
         app.add_middleware(_cors_middleware(), allow_origins=list(settings.cors_origins), allow_methods=["*"],

@@ -2,7 +2,9 @@
 
 Gauges (requests running and waiting, KV-cache usage, preemptions, sequences held) are read from
 ``LLM.stats()`` at scrape time, each key defaulting to 0 where the engine does not report it; token
-counts and latencies are measured by the server from what it sends.
+counts and latencies are measured by the server from what it sends.  The model pool adds loads, load
+seconds, unloads by reason (``evicted``, ``keep_alive``, ``request``) and, per model, whether it is loaded
+and the memory its load measured.
 """
 
 from __future__ import annotations
@@ -45,8 +47,28 @@ class _EngineCollector:
         yield c
 
 
+class _PoolCollector:
+    """Per model: loaded (1) or not (0), and the resident bytes its last load measured while it is loaded."""
+
+    def __init__(self, models: Callable[[], dict[str, tuple[bool, int | None]]]) -> None:
+        self._models = models
+
+    def collect(self) -> Iterable[Any]:
+        models = self._models()
+        loaded = GaugeMetricFamily("lmdock:model_loaded", "1 while the model is loaded, else 0.", labels=["model_name"])
+        resident = GaugeMetricFamily("lmdock:model_resident_bytes",
+                                     "Memory the model's load took (measured: process RSS, plus GPU memory), while loaded.",
+                                     labels=["model_name"])
+        for model, (is_loaded, size) in models.items():
+            loaded.add_metric([model], 1.0 if is_loaded else 0.0)
+            resident.add_metric([model], float(size or 0) if is_loaded else 0.0)
+        yield loaded
+        yield resident
+
+
 class Metrics:
-    def __init__(self, stats: Callable[[], dict[str, dict[str, Any]]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, dict[str, Any]]],
+                 models: Callable[[], dict[str, tuple[bool, int | None]]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         m = ["model_name"]
@@ -58,7 +80,13 @@ class Metrics:
         self.e2e = Histogram("lmdock:e2e_request_latency_seconds", "Arrival to last token.", m, buckets=_E2E, registry=r)
         self.queue = Histogram("lmdock:request_queue_time_seconds",
                                "Arrival to the first output from the engine (queueing plus prefill).", m, buckets=_E2E, registry=r)
+        self.model_loads = Counter("lmdock:model_loads", "Model loads that succeeded.", m, registry=r)
+        self.model_load_seconds = Histogram("lmdock:model_load_seconds", "Time to load a model.", m, buckets=_E2E, registry=r)
+        self.model_unloads = Counter("lmdock:model_unloads", "Models unloaded, by reason (evicted, keep_alive, request).",
+                                     [*m, "reason"], registry=r)
         r.register(_EngineCollector(stats))
+        if models is not None:
+            r.register(_PoolCollector(models))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

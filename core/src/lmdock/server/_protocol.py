@@ -12,13 +12,14 @@ from __future__ import annotations
 import difflib
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from lmdock._outputs import RequestOutput
 from lmdock._params import OPENAI_FIELDS
 from lmdock._prompts import non_text_part
 from lmdock.server._errors import APIError
+from lmdock.server._pool import keep_alive_seconds
 from lmdock.server._structured import structured_output
 
 
@@ -109,6 +110,13 @@ class _Sampling(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
+    # Ollama's: how long the model stays loaded once idle, from this request on (seconds or "5m"; < 0: for ever)
+    keep_alive: float | None = None
+
+    @field_validator("keep_alive", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> float | None:
+        return None if value is None else keep_alive_seconds(value)
 
     def max_tokens_field(self) -> str | None:
         """The name under which the client asked for a number of tokens, or None (the defaults apply)."""

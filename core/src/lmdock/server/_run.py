@@ -1,8 +1,10 @@
-"""Load the models, run uvicorn, drain on SIGTERM/SIGINT, shut the engines down, exit 0."""
+"""Choose the models to serve (loading those named, pinned or preloaded), run uvicorn, drain on
+SIGTERM/SIGINT, shut the engines down, exit 0."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -14,11 +16,11 @@ from typing import Any
 
 import uvicorn
 
-from lmdock._config import find_config, load_config
+from lmdock._config import ConfigFile, find_config, load_config
 from lmdock._errors import ConfigError
-from lmdock._params import ServerConfig
+from lmdock._params import ModelConfig, ServerConfig
 from lmdock.server._app import create_app
-from lmdock.server._state import ServedModel
+from lmdock.server._pool import ServedModel, queue_limit
 
 log = logging.getLogger("lmdock.server")
 
@@ -62,6 +64,10 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self._lmdock = state
 
+    async def startup(self, sockets: Any = None) -> None:
+        self._lmdock.pool.start()  # the keep_alive reaper runs from the start, not from the first request
+        await super().startup(sockets)
+
     def handle_exit(self, sig: int, frame: Any) -> None:
         if not self._lmdock.draining:
             log.info("lmdock serve: draining (up to %ss for requests in flight)", self._lmdock.settings.shutdown_timeout)
@@ -96,21 +102,21 @@ def serve(
     options: dict[str, Any] | None = None,
     served_name: str | None = None,
 ) -> int:
-    """Serve ``models`` (config names, paths or hub ids; by default the config's ``default_model``).
+    """Serve ``models`` (config names, paths or hub ids; by default every model of the config file).
 
+    Models named here, the config's ``default_model`` and those with ``pin`` or ``preload`` are loaded
+    before the server listens; the others when a request first names them (``_pool.py``).
     ``options``: ``LLM(...)`` options over each model's config entry (vLLM's serve flags);
     ``served_name``: the name clients use for the one model (vLLM's ``--served-model-name``)."""
-    from lmdock._llm import LLM
-
     path = find_config(config)
     cfg = load_config(path) if path is not None else None
     settings = cfg.server if cfg is not None else ServerConfig()
     names = list(models or [])
     if not names:
-        if cfg is None or cfg.default_model is None:
-            raise ConfigError("no model to serve: pass -m MODEL or set default_model in the config file",
+        if cfg is None or not cfg.models:
+            raise ConfigError("no model to serve: pass -m MODEL or add [models.NAME] tables to the config file",
                               source=str(path) if path else None)
-        names = [cfg.default_model]
+        names = sorted(cfg.models, key=lambda n: n != cfg.default_model)  # the default answers requests naming none
     if len(set(names)) != len(names):
         raise ConfigError(f"a model is named twice: {', '.join(names)}")
     if served_name is not None and len(names) != 1:
@@ -124,14 +130,17 @@ def serve(
         except OSError as exc:
             raise ConfigError(f"cannot read the chat template: {exc.strerror}", source=template) from None
     key = resolve_api_key(settings, api_key)
-    served: list[ServedModel] = []
+    served = [_served(name, cfg, path, settings, backend, options or {}, template_text, served_name) for name in names]
+    start = [sm for sm, name in zip(served, names) if models or _at_start(name, cfg)]
+    limit = settings.max_loaded_models
+    if limit is not None and len(start) > limit:
+        raise ConfigError(f"{len(start)} models are loaded at start ({', '.join(sm.name for sm in start)}: named on the "
+                          f"command line, default_model, pin or preload), more than [server] max_loaded_models = {limit}",
+                          source=str(path) if path else None, key="server.max_loaded_models")
     try:
-        for name in names:
-            llm = LLM(name, backend=backend, config=path, **(options or {}))
-            sched = llm.model_config.scheduler
-            limit = settings.max_queue or (sched.max_num_seqs + sched.max_waiting)
-            served.append(ServedModel(served_name or name, llm, limit, template_text))
         app = create_app(served, settings, key)
+        for sm in start:
+            app.state.lmdock.pool.preload(sm)
         uconfig = uvicorn.Config(
             app,
             host=host or settings.host,
@@ -146,11 +155,33 @@ def serve(
             print(f"lmdock serve: warning: listening on {uconfig.host} without an API key: anyone who can reach this "
                   "port can use the models; set --api-key, $LMDOCK_API_KEY or [server] api_key_file",
                   file=sys.stderr, flush=True)
-        shown = ", ".join(f"{sm.name} ({sm.llm.backend.name})" for sm in served)
+        shown = ", ".join(f"{sm.name} ({sm.llm.backend.name if sm.llm is not None else sm.state})" for sm in served)
         print(f"lmdock serve: {shown} on http://{uconfig.host}:{uconfig.port}/v1"
               f"{' (API key required)' if key else ''}", file=sys.stderr, flush=True)
         server.run()
     finally:
         for sm in served:
-            sm.llm.shutdown()
+            if sm.llm is not None:
+                sm.llm.shutdown()
     return 0
+
+
+def _at_start(name: str, cfg: ConfigFile | None) -> bool:
+    """Whether config model ``name`` is loaded before the server listens: the default, pinned or preloaded."""
+    if cfg is None:
+        return True
+    mc = cfg.model(name)
+    return name == cfg.default_model or mc.pin or mc.preload
+
+
+def _served(name: str, cfg: ConfigFile | None, path: Path | None, settings: ServerConfig, backend: str | None,
+            options: dict[str, Any], template: str | None, served_name: str | None) -> ServedModel:
+    """``name`` (a config name, or a path or hub id, which is pinned: it has no entry to say otherwise) as
+    a model to serve, not loaded yet."""
+    from lmdock._llm import LLM
+
+    entry = cfg.models.get(name) if cfg is not None else None
+    mc = entry or ModelConfig(model=name)
+    loader = functools.partial(LLM, name, backend=backend, config=path, **options)
+    return ServedModel(served_name or name, None, queue_limit(settings, mc), template, loader=loader, root=mc.model,
+                       keep_alive=mc.keep_alive, pin=entry is None or mc.pin)

@@ -1,9 +1,8 @@
-"""The models a server answers for and the state its routes share: model lookup, sampling params."""
+"""The state a server's routes share: model lookup (loading through the pool), sampling params."""
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -12,23 +11,7 @@ from lmdock._errors import ConfigError
 from lmdock._params import OPENAI_FIELDS, ServerConfig
 from lmdock.server._errors import APIError, as_api_error
 from lmdock.server._metrics import Metrics
-
-
-@dataclass
-class ServedModel:
-    """One model the server answers for: its public name, the loaded ``LLM``, its admission bound."""
-
-    name: str
-    llm: Any
-    max_queue: int
-    chat_template: str | None = None
-    in_flight: int = 0
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def hide(self) -> tuple[str, str]:
-        """``(the model's path or hub id, its served name)``: errors show clients the name only."""
-        return (str(getattr(getattr(self.llm, "model_config", None), "model", "") or ""), self.name)
+from lmdock.server._pool import ModelPool, ServedModel
 
 
 @dataclass
@@ -39,14 +22,15 @@ class ServerState:
     settings: ServerConfig
     api_key: str | None
     metrics: Metrics
+    pool: ModelPool
     draining: bool = False
 
     @property
     def retry_after(self) -> int:
         return self.settings.retry_after
 
-    def model(self, name: str | None) -> ServedModel:
-        """The model a request names (the default when it names none); 404 naming the served ones."""
+    def served(self, name: str | None) -> ServedModel:
+        """The model a request names (the default when it names none), loaded or not; 404 naming the served ones."""
         if name is None or name == "":
             return next(iter(self.models.values()))
         sm = self.models.get(name)
@@ -54,6 +38,11 @@ class ServerState:
             raise APIError(404, f"model {name!r} is not served here; served models: {', '.join(self.models)}",
                            param="model", code="model_not_found")
         return sm
+
+    async def model(self, name: str | None, request: Request, keep_alive: float | None = None) -> ServedModel:
+        """The model a request names, loaded (it waits for a load under way), held until the response
+        has been sent: nothing unloads it under the request.  ``keep_alive``: the request's, in seconds."""
+        return await self.pool.acquire(self.served(name), request.scope, keep_alive)
 
     def sampling_params(self, sm: ServedModel, overrides: dict[str, Any], sent: Any = None) -> Any:
         """``sm``'s default SamplingParams with a request's overrides; a bad value, or more work than
@@ -102,7 +91,9 @@ def state_of(request: Request) -> ServerState:
 
 
 def engine_stats(sm: ServedModel) -> dict[str, Any]:
-    """``sm``'s engine counts, or ``{}`` from a dead engine (``/health`` says why)."""
+    """``sm``'s engine counts, or ``{}`` from an unloaded or dead engine (``/health`` says why)."""
+    if sm.llm is None:
+        return {}
     try:
         return sm.llm.stats()  # type: ignore[no-any-return]
     except Exception:  # noqa: BLE001 - a dead engine reports nothing; /health says why

@@ -34,7 +34,7 @@ router = APIRouter()
 async def chat(body: ChatRequest, request: Request) -> Response:
     st = state_of(request)
     retry = st.retry_after
-    sm = st.model(body.model)
+    sm = await st.model(body.model, request, body.keep_alive)
     params = st.sampling_params(sm, body.overrides(), body)
     prompt = await _render(st.settings, sm, body, retry)
     admission, streams, firsts = await submit_admitted(request, st, sm, [prompt], params, add_special_tokens=False,

@@ -30,7 +30,7 @@ router = APIRouter()
 async def completions(body: CompletionRequest, request: Request) -> Response:
     st = state_of(request)
     retry = st.retry_after
-    sm = st.model(body.model)
+    sm = await st.model(body.model, request, body.keep_alive)
     prompts = body.prompts()
     params = st.sampling_params(sm, body.overrides(), body)
     admission, streams, firsts = await submit_admitted(request, st, sm, prompts, params, max_tokens_field=body.max_tokens_field())

@@ -17,11 +17,14 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    """200 when every served engine takes requests; 503 naming each that does not (shut down, or
-    declared dead after failing steps in a row: restart the server)."""
+    """200 when every loaded engine takes requests; 503 naming each that does not (shut down, or
+    declared dead after failing steps in a row: restart the server).  An unloaded model is not dead:
+    the next request for it loads it."""
     st = state_of(request)
     dead = []
     for name, sm in st.models.items():
+        if sm.llm is None:
+            continue
         try:
             sm.llm.engine  # noqa: B018 - raises when shut down
         except LmdockError as exc:
@@ -47,5 +50,6 @@ async def prometheus(request: Request) -> Response:
 
 @router.get("/stats")
 async def stats(request: Request) -> dict[str, Any]:
-    return {name: {**engine_stats(sm), "in_flight": sm.in_flight, "max_queue": sm.max_queue}
+    return {name: {**engine_stats(sm), "in_flight": sm.in_flight, "max_queue": sm.max_queue, "state": sm.state,
+                   "memory_bytes": sm.memory_bytes}
             for name, sm in state_of(request).models.items()}

@@ -1,5 +1,6 @@
-"""``GET /v1/models`` and ``GET /v1/models/{id}``: the served models under their config names, with their
-backend and context length."""
+"""``GET /v1/models`` and ``GET /v1/models/{id}``: every servable model under its config name, with its
+state (loaded / loading / unloaded), the memory its last load measured and its last use; ``POST
+/v1/models/{id}/load`` and ``/unload`` load and unload one (llama.cpp's router routes)."""
 
 from __future__ import annotations
 
@@ -12,20 +13,39 @@ from lmdock.server._state import ServedModel, state_of
 router = APIRouter()
 
 
-def _card(name: str, sm: ServedModel) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": sm.created, "owned_by": "lmdock", "root": sm.llm.model_config.model,
-            "max_model_len": sm.llm.max_model_len, "backend": sm.llm.backend.name}
+def _card(sm: ServedModel) -> dict[str, Any]:
+    llm = sm.llm
+    return {"id": sm.name, "object": "model", "created": sm.created, "owned_by": "lmdock", "root": sm.root,
+            "max_model_len": llm.max_model_len if llm is not None else None,
+            "backend": llm.backend.name if llm is not None else None,
+            "state": sm.state, "pinned": sm.pin or sm.loader is None, "keep_alive": sm.keep_alive,
+            "memory_bytes": sm.memory_bytes, "last_used": int(sm.last_used) or None, "requests": sm.holds}
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [_card(name, sm) for name, sm in state_of(request).models.items()]}
+    return {"object": "list", "data": [_card(sm) for sm in state_of(request).models.values()]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
     """One model (``client.models.retrieve``); 404 in OpenAI's shape naming the served ones."""
+    return _card(state_of(request).served(model_id))
+
+
+@router.post("/v1/models/{model_id:path}/load")
+async def load_model(model_id: str, request: Request) -> dict[str, Any]:
+    """Load the model now (making room as a request would); its card once loaded."""
     st = state_of(request)
-    if model_id not in st.models:
-        st.model(model_id)  # raises the 404
-    return _card(model_id, st.models[model_id])
+    sm = st.served(model_id)
+    await st.pool.load(sm)
+    return _card(sm)
+
+
+@router.post("/v1/models/{model_id:path}/unload")
+async def unload_model(model_id: str, request: Request) -> dict[str, Any]:
+    """Unload the model now; 409 while requests use it, or when it is pinned."""
+    st = state_of(request)
+    sm = st.served(model_id)
+    await st.pool.unload(sm)
+    return _card(sm)

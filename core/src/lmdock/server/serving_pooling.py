@@ -50,7 +50,7 @@ def _prompt_tokens(outs: list[Any]) -> int:
 
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-    sm = state_of(request).model(body.model)
+    sm = await state_of(request).model(body.model, request)
     fn = _pooling_method(sm, "embed", "embed")
     inputs = embedding_prompts(body.input)
     if not inputs:
@@ -70,7 +70,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
 @router.post("/v1/score")
 @router.post("/score")
 async def score(body: ScoreRequest, request: Request) -> Response:
-    sm = state_of(request).model(body.model)
+    sm = await state_of(request).model(body.model, request)
     fn = _pooling_method(sm, "score", "score")
     t1 = body.text_1 if isinstance(body.text_1, str) else list(body.text_1)
     t2 = body.text_2 if isinstance(body.text_2, str) else list(body.text_2)
@@ -85,7 +85,7 @@ async def score(body: ScoreRequest, request: Request) -> Response:
 @router.post("/v1/rerank")
 @router.post("/rerank")
 async def rerank(body: RerankRequest, request: Request) -> Response:
-    sm = state_of(request).model(body.model)
+    sm = await state_of(request).model(body.model, request)
     fn = _pooling_method(sm, "score", "score")
     if not body.documents:
         raise APIError(400, "documents is empty", param="documents")

@@ -31,7 +31,7 @@ def _vocab_size(tok: Any) -> int | None:
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     st = state_of(request)
-    sm = st.model(body.model)
+    sm = await st.model(body.model, request)
     tok = _tokenizer(sm)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
@@ -49,7 +49,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
-    sm = state_of(request).model(body.model)
+    sm = await state_of(request).model(body.model, request)
     tok = _tokenizer(sm)
     vocab = _vocab_size(tok)
     bad = next((t for t in body.tokens if t < 0 or (vocab is not None and t >= vocab)), None)
@@ -60,7 +60,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
 
 @router.get("/tokenizer_info")
 async def tokenizer_info(request: Request, model: str | None = None) -> dict[str, Any]:
-    sm = state_of(request).model(model)
+    sm = await state_of(request).model(model, request)
     tok = _tokenizer(sm)
     return {
         "tokenizer_class": type(tok).__name__,
