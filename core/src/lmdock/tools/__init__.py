@@ -1,0 +1,42 @@
+"""Tool calls and reasoning in a model's reply: parsers by model family, the streaming reads, and
+the grammars that make a call valid by construction.  Imports no engine (see ``docs/tools.md``).
+
+- :func:`get_parser` / :func:`get_reasoning_parser`: a parser by its config name (``tool_parser =
+  "hermes"``, ``reasoning_parser = "think"``); :func:`parser_for_template` recognizes one from a chat
+  template.  Plugins add parsers with the ``lmdock_register_parsers`` hook.
+- :class:`ToolParser`: ``parse(text) -> Parsed(content, calls)`` for a finished reply,
+  ``stream() -> ToolStream`` (``feed(text_so_far) -> (new content, [CallDelta])``) while it streams,
+  ``grammar(tools, parallel, lazy)`` for the constraint.
+- :class:`ToolCall`: ``id`` (``call_...``), ``name``, ``arguments`` (JSON text); ``openai()``.
+"""
+
+from __future__ import annotations
+
+from lmdock.tools._base import CallDelta, Parsed, PartialCall, Scan, ToolCall, ToolParser, ToolStream, call_id
+from lmdock.tools._reasoning import ReasoningParser, ReasoningStream, Split
+from lmdock.tools._registry import (
+    get_parser,
+    get_reasoning_parser,
+    parser_for_template,
+    parser_names,
+    reasoning_parser_names,
+)
+
+__all__ = [
+    "CallDelta",
+    "Parsed",
+    "PartialCall",
+    "ReasoningParser",
+    "ReasoningStream",
+    "Scan",
+    "Split",
+    "ToolCall",
+    "ToolParser",
+    "ToolStream",
+    "call_id",
+    "get_parser",
+    "get_reasoning_parser",
+    "parser_for_template",
+    "parser_names",
+    "reasoning_parser_names",
+]

@@ -1,0 +1,173 @@
+"""The built-in tool-call formats: Hermes/Qwen ``<tool_call>`` JSON, Llama 3 JSON, Mistral
+``[TOOL_CALLS]`` and pythonic ``[f(a=1)]`` (vLLM's ``hermes``, ``llama3_json``, ``mistral`` and
+``pythonic`` parsers read the same outputs)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from lmdock.tools._base import PartialCall, Scan, ToolParser, held_back
+from lmdock.tools._jsoncall import calls_schema, json_call
+from lmdock.tools._pythonic import pythonic_scan
+
+
+def _text_or_call(text_rule: str, calls: str, lazy: bool) -> str:
+    """``start`` for calls only, or (``lazy``) for plain text that may end in calls."""
+    if not lazy:
+        return f"start: {calls}\n"
+    return f"start: {text_rule}? {calls}?\n"
+
+
+class HermesParser(ToolParser):
+    """``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>``, one block per call, text
+    before (Hermes 2 Pro and 3, Qwen 2.5, Qwen 3, QwQ)."""
+
+    name = "hermes"
+    marker = "<tool_call>"
+    template_hints = ("<tool_call>",)
+    close = "</tool_call>"
+
+    def scan(self, text: str, final: bool) -> Scan:
+        first = text.find(self.marker)
+        if first < 0:
+            keep = len(text) if final else len(text) - held_back(text, self.marker)
+            return Scan(text[:keep], [])
+        calls: list[PartialCall] = []
+        error = None
+        pos = first
+        while pos >= 0:
+            body = _skip_ws(text, pos + len(self.marker))
+            if body >= len(text):
+                calls.append(PartialCall())
+                break
+            if text[body] != "{":
+                error = f"a {self.marker} block must hold a JSON object"
+                break
+            call, end, why = json_call(text, body)
+            calls.append(call)
+            if end is None:
+                break
+            error = error or why
+            pos = text.find(self.marker, end)
+        if final and (error is not None or not all(c.complete for c in calls)):
+            return Scan(text, calls, error or "a call is not closed")
+        return Scan(text[:first].rstrip() if calls else text[:first], calls, error)
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool, lazy: bool) -> str | None:
+        calls = 'call ("\\n" call)*' if parallel else "call"
+        return (_text_or_call("TEXT", calls, lazy)
+                + 'TEXT: /(.|\\n)+/ & ~/(.|\\n)*<tool_call>(.|\\n)*/\n'
+                + 'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
+                + f"body: %json {json.dumps(calls_schema(tools))}\n")
+
+
+class Llama3JsonParser(ToolParser):
+    """Llama 3.1-3.3's JSON calls: the whole output is ``{"name": "f", "parameters": {...}}``
+    (optionally after ``<|python_tag|>``), several separated by ``;``."""
+
+    name = "llama3_json"
+    marker = "<|python_tag|>"
+    template_hints = ("<|python_tag|>", '"parameters": ')
+
+    def scan(self, text: str, final: bool) -> Scan:
+        start = _skip_ws(text, 0)
+        if text.startswith(self.marker, start):
+            start = _skip_ws(text, start + len(self.marker))
+        elif not final and self.marker.startswith(text[start:]) and text[start:]:
+            return Scan("", [])
+        if start >= len(text):
+            return Scan(text if final else "", [])
+        if text[start] != "{":
+            return Scan(text, [])
+        return _json_list(text, start, ";", ("parameters", "arguments"), final)
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool, lazy: bool) -> str | None:
+        if lazy:
+            return None
+        calls = 'call ("; " call)*' if parallel else "call"
+        return f"start: {calls}\ncall: %json {json.dumps(calls_schema(tools, 'parameters'))}\n"
+
+
+class MistralParser(ToolParser):
+    """Mistral's ``[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]`` (text may come before)."""
+
+    name = "mistral"
+    marker = "[TOOL_CALLS]"
+    template_hints = ("[TOOL_CALLS]",)
+
+    def scan(self, text: str, final: bool) -> Scan:
+        first = text.find(self.marker)
+        if first < 0:
+            keep = len(text) if final else len(text) - held_back(text, self.marker)
+            return Scan(text[:keep], [])
+        start = _skip_ws(text, first + len(self.marker))
+        if start >= len(text):
+            return Scan(text if final else text[:first], [PartialCall()] if not final else [], "no calls" if final else None)
+        if text[start] != "[":
+            return Scan(text, [], "[TOOL_CALLS] must be followed by a JSON list")
+        scan = _json_list(text, _skip_ws(text, start + 1), ",", ("arguments",), final, closer="]")
+        return Scan(text[:first].rstrip() if scan.error is None or not final else text, scan.calls, scan.error)
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool, lazy: bool) -> str | None:
+        calls = 'call (", " call)*' if parallel else "call"
+        return (_text_or_call("TEXT", '"[TOOL_CALLS][" calls "]"', lazy)
+                + 'TEXT: /(.|\\n)+/ & ~/(.|\\n)*\\[TOOL_CALLS\\](.|\\n)*/\n'
+                + f"calls: {calls}\ncall: %json {json.dumps(calls_schema(tools))}\n")
+
+
+class PythonicParser(ToolParser):
+    """Llama 3.2 / 4's pythonic calls: the whole output is ``[f(a=1, b="x"), g()]``."""
+
+    name = "pythonic"
+    template_hints = ("[func_name1(params_name1=params_value1",)
+
+    def scan(self, text: str, final: bool) -> Scan:
+        return pythonic_scan(text, final)
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool, lazy: bool) -> str | None:
+        if lazy:
+            return None
+        alts = []
+        for i, t in enumerate(tools):
+            fn = t.get("function", {})
+            params = fn.get("parameters") or {}
+            props, required = params.get("properties", {}), set(params.get("required", []))
+            if not re.fullmatch(r"[A-Za-z_]\w*", fn["name"]) or set(props) - required:
+                return None  # optional arguments would need every subset's order: parse only
+            args = ' ", " '.join(f'"{k}=" v{i}_{j}' for j, k in enumerate(props))
+            alts.append(f'c{i}: "{fn["name"]}(" {args} ")"\n'
+                        + "".join(f"v{i}_{j}: %json {json.dumps(s)}\n" for j, s in enumerate(props.values())))
+        names = " | ".join(f"c{i}" for i in range(len(tools)))
+        calls = 'call (", " call)*' if parallel else "call"
+        return f'start: "[" {calls} "]"\ncall: {names}\n' + "".join(alts)
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
+
+
+def _json_list(text: str, pos: int, sep: str, args_keys: tuple[str, ...], final: bool, closer: str = "") -> Scan:
+    """Calls written as JSON objects one after another, ``sep`` between, ``closer`` after the last."""
+    calls: list[PartialCall] = []
+    error = None
+    while pos < len(text):
+        if text[pos] != "{":
+            if closer and text[pos] == closer and calls:
+                break
+            error = f"expected a JSON object at character {pos}"
+            break
+        call, end, why = json_call(text, pos, args_keys)
+        calls.append(call)
+        if end is None:
+            break
+        error = error or why
+        pos = _skip_ws(text, end)
+        if pos < len(text) and text[pos] == sep:
+            pos = _skip_ws(text, pos + 1)
+    if final and (error is not None or not calls or not all(c.complete for c in calls)):
+        return Scan(text, calls, error or "a call is not closed")
+    return Scan("", calls, error)
