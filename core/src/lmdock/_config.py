@@ -42,7 +42,8 @@ SECTIONS: dict[str, type] = {
     "offload": OffloadPolicy,
     "pooling": PoolingParams,
 }
-_MODEL_KEYS = {"model", "backend", "fallback", "tokenizer", "revision", "trust_remote_code", "sampling", "backends"}
+_MODEL_KEYS = {"model", "backend", "fallback", "tokenizer", "revision", "trust_remote_code", "sampling", "backends",
+               "tool_parser", "reasoning_parser"}
 
 
 @dataclass
@@ -138,6 +139,8 @@ def model_config(
     for opt in ("tokenizer", "revision"):
         kwargs[opt] = coerce(entry.get(opt), str | None, key(opt), source)
     kwargs["trust_remote_code"] = coerce(entry.get("trust_remote_code", False), bool, key("trust_remote_code"), source)
+    for opt in ("tool_parser", "reasoning_parser"):
+        kwargs[opt] = _parser_name(coerce(entry.get(opt), str | None, key(opt), source), opt, source, key(opt))
     for section, cls in SECTIONS.items():
         value = entry.get(section, {})
         kwargs[section] = value if isinstance(value, cls) else build(cls, coerce(value, dict[str, Any], key(section), source), source=source, prefix=key(section))
@@ -152,6 +155,19 @@ def model_config(
         coerce(opts, dict[str, Any], key(f"backends.{bname}"), source)
     kwargs["backends"] = backends
     return ModelConfig(**kwargs)
+
+
+def _parser_name(name: str | None, kind: str, source: str, key: str) -> str | None:
+    """A ``tool_parser`` / ``reasoning_parser`` name, checked against the parsers installed."""
+    if name is None:
+        return None
+    from lmdock import tools
+
+    try:
+        (tools.get_parser if kind == "tool_parser" else tools.get_reasoning_parser)(name)
+    except ConfigError as exc:
+        raise ConfigError(str(exc).split(": ", 1)[-1], source=source, key=key) from None
+    return name
 
 
 def _explicit_fields(params: SamplingParams) -> dict[str, Any]:

@@ -173,6 +173,10 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = Field(default=None, ge=0)
     max_completion_tokens: int | None = None
     response_format: ResponseFormat | None = None
+    # tools (lmdock.tools: the model's tool_parser reads the calls; a forced tool_choice constrains them)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM's extras
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None

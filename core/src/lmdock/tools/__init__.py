@@ -7,12 +7,16 @@ the grammars that make a call valid by construction.  Imports no engine (see ``d
 - :class:`ToolParser`: ``parse(text) -> Parsed(content, calls)`` for a finished reply,
   ``stream() -> ToolStream`` (``feed(text_so_far) -> (new content, [CallDelta])``) while it streams,
   ``grammar(tools, parallel, lazy)`` for the constraint.
+- :class:`ChatPlan`: one chat request's tools and thinking (``ChatPlan.make(tools, tool_choice, ...)``):
+  ``template_tools``, ``constraint(...)`` (the structured output that keeps calls valid), ``read(text)
+  -> Reading(content, reasoning, tool_calls)`` and ``stream().feed(text_so_far, final) -> Piece``.
 - :class:`ToolCall`: ``id`` (``call_...``), ``name``, ``arguments`` (JSON text); ``openai()``.
 """
 
 from __future__ import annotations
 
 from lmdock.tools._base import CallDelta, Parsed, PartialCall, Scan, ToolCall, ToolParser, ToolStream, call_id
+from lmdock.tools._plan import ChatPlan, Piece, PlanStream, Reading, check_tools, template_messages
 from lmdock.tools._reasoning import ReasoningParser, ReasoningStream, Split
 from lmdock.tools._registry import (
     get_parser,
@@ -24,8 +28,12 @@ from lmdock.tools._registry import (
 
 __all__ = [
     "CallDelta",
+    "ChatPlan",
     "Parsed",
     "PartialCall",
+    "Piece",
+    "PlanStream",
+    "Reading",
     "ReasoningParser",
     "ReasoningStream",
     "Scan",
@@ -34,9 +42,11 @@ __all__ = [
     "ToolParser",
     "ToolStream",
     "call_id",
+    "check_tools",
     "get_parser",
     "get_reasoning_parser",
     "parser_for_template",
     "parser_names",
     "reasoning_parser_names",
+    "template_messages",
 ]

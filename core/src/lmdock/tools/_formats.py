@@ -17,7 +17,7 @@ def _text_or_call(text_rule: str, calls: str, lazy: bool) -> str:
     """``start`` for calls only, or (``lazy``) for plain text that may end in calls."""
     if not lazy:
         return f"start: {calls}\n"
-    return f"start: {text_rule}? {calls}?\n"
+    return f"start: {text_rule}? ({calls})?\n"
 
 
 class HermesParser(ToolParser):
@@ -51,8 +51,10 @@ class HermesParser(ToolParser):
                 break
             error = error or why
             pos = text.find(self.marker, end)
-        if final and (error is not None or not all(c.complete for c in calls)):
-            return Scan(text, calls, error or "a call is not closed")
+        if final:
+            calls, error = _closed_calls(calls, error)
+            if error is not None:
+                return Scan(text, calls, error)
         return Scan(text[:first].rstrip() if calls else text[:first], calls, error)
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool, lazy: bool) -> str | None:
@@ -168,6 +170,17 @@ def _json_list(text: str, pos: int, sep: str, args_keys: tuple[str, ...], final:
         pos = _skip_ws(text, end)
         if pos < len(text) and text[pos] == sep:
             pos = _skip_ws(text, pos + 1)
-    if final and (error is not None or not calls or not all(c.complete for c in calls)):
-        return Scan(text, calls, error or "a call is not closed")
+    if final:
+        calls, error = _closed_calls(calls, error)
+        if error is not None:
+            return Scan(text, calls, error)
     return Scan("", calls, error)
+
+
+def _closed_calls(calls: list[PartialCall], error: str | None) -> tuple[list[PartialCall], str | None]:
+    """The calls of a finished text: a last call left open (cut by max_tokens) is dropped, as the
+    finish reason ``length`` says; with no call closed the text is not calls."""
+    closed = [c for c in calls if c.complete]
+    if error is None and not closed:
+        error = "no call is closed"
+    return closed, error

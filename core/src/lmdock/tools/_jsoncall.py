@@ -115,7 +115,11 @@ def json_schema_of(tool: dict[str, Any], args_key: str = "arguments") -> dict[st
             "required": ["name", args_key], "additionalProperties": False}
 
 
+#: compact JSON (llguidance's option): free whitespace between tokens would let a model spend its budget on it
+COMPACT = {"x-guidance": {"whitespace_flexible": False}}
+
+
 def calls_schema(tools: list[dict[str, Any]], args_key: str = "arguments") -> dict[str, Any]:
-    """One call to any of ``tools``, as a JSON schema."""
+    """One call to any of ``tools``, as a JSON schema (compact JSON)."""
     schemas = [json_schema_of(t, args_key) for t in tools]
-    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    return {**schemas[0], **COMPACT} if len(schemas) == 1 else {"anyOf": schemas, **COMPACT}
