@@ -226,6 +226,9 @@ def config_schema(backend_options: dict[str, type] | None = None) -> dict[str, A
         "tokenizer": {"type": "string"},
         "revision": {"type": "string"},
         "trust_remote_code": {"type": "boolean", "default": False},
+        "tool_parser": {"type": "string", "description": "how the model writes tool calls: hermes, llama3_json, mistral, "
+                        "pythonic, or a plugin's (docs/tools.md); default: recognized from the chat template"},
+        "reasoning_parser": {"type": "string", "description": "how the model writes its thinking: think (<think>...</think>)"},
         "sampling": json_schema(SamplingParams),
     }
     for section, cls in SECTIONS.items():
