@@ -1,0 +1,247 @@
+"""``POST /v1/messages`` (Anthropic's Messages API) on the chat path, and ``POST
+/v1/messages/count_tokens``; errors on these routes in Anthropic's body,
+``{"type": "error", "error": {"type", "message"}}``.
+
+A request becomes a chat request (``_messages_blocks``); the chat completion becomes content blocks
+(``text``, ``tool_use`` with its ``input`` parsed) and a ``stop_reason`` (``end_turn``,
+``max_tokens``, ``stop_sequence`` with the ``stop_sequence`` matched, ``tool_use``); streamed, its
+chunks become Anthropic's events: ``message_start``, ``ping``, per block ``content_block_start``,
+``content_block_delta`` (``text_delta`` / ``input_json_delta``) and ``content_block_stop``, then
+``message_delta`` (stop reason, usage) and ``message_stop``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from pydantic import Field
+
+from lmdock.server._chat_bridge import StrictBody, chat_stream, chat_tools_supported, chat_whole, typed_sse
+from lmdock._errors import LmdockError
+from lmdock.server._errors import APIError, as_api_error
+from lmdock.server._messages_blocks import chat_messages, chat_tool_choice, chat_tools
+from lmdock.server._state import state_of
+from lmdock.server._templates import render_bounded
+
+#: Anthropic's error types by HTTP status.
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+               413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+#: Chat's field names in errors from the chat path, as this API calls them.
+NAMES = {"stop": "stop_sequences"}
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"),
+                                       "message": message}}
+
+
+class _AnthropicErrors(APIRoute):
+    """A route whose errors answer in Anthropic's body: the server's one mapping (its exception
+    handlers, OpenAI's body) decides the status and message, and this reshapes the body."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handle = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handle(request)
+            except Exception as exc:  # noqa: BLE001 - every error goes through the app's handlers
+                return await _reshaped(request, exc)
+
+        return route
+
+
+async def _reshaped(request: Request, exc: Exception) -> Response:
+    handlers = request.app.exception_handlers
+    handler = next((handlers[c] for c in type(exc).__mro__ if c in handlers), None)
+    if handler is None:
+        raise exc
+    openai = await handler(request, exc)
+    message = json.loads(bytes(openai.body))["error"]["message"]
+    headers = {k: v for k, v in openai.headers.items() if k.lower() not in ("content-length", "content-type")}
+    return JSONResponse(error_body(openai.status_code, message), status_code=openai.status_code, headers=headers)
+
+
+router = APIRouter(route_class=_AnthropicErrors)
+
+
+class Metadata(StrictBody):
+    user_id: str | None = None  # an end user's id, for abuse reports: nothing to do on a local server
+
+
+class Thinking(StrictBody):
+    type: Literal["disabled"]  # extended thinking needs a reasoning model and parser: refused unless disabled
+    budget_tokens: None = None
+
+
+class _Conversation(StrictBody):
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    system: str | list[Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: Thinking | None = None
+
+    def chat(self) -> dict[str, Any]:
+        """The conversation, tools and tool choice as a chat request's fields."""
+        chat: dict[str, Any] = {"model": self.model, "messages": chat_messages(self.system, self.messages)}
+        if self.tools or self.tool_choice is not None:
+            if not chat_tools_supported():
+                raise APIError(400, "tools: this server does not run tool calls yet", param="tools")
+            choice, parallel = chat_tool_choice(self.tool_choice) if self.tool_choice is not None else (None, None)
+            chat.update(tools=chat_tools(self.tools or []) or None, tool_choice=choice, parallel_tool_calls=parallel)
+        return chat
+
+
+class MessagesRequest(_Conversation):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)  # Anthropic's range
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(default=None, ge=1)
+    metadata: Metadata | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None
+
+    def chat(self) -> dict[str, Any]:
+        return {**super().chat(), "max_tokens": self.max_tokens, "stop": self.stop_sequences,
+                "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+
+
+class CountTokensRequest(_Conversation):
+    pass
+
+
+@router.post("/v1/messages")
+async def create(body: MessagesRequest, request: Request) -> Response:
+    name = state_of(request).model(body.model).name
+    reply = _Reply(body, name)
+    if body.stream:
+        return typed_sse(reply.events(await chat_stream(body.chat(), request, NAMES)))
+    return JSONResponse(reply.whole(await chat_whole(body.chat(), request, NAMES)))
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
+    """The tokens the conversation's prompt takes, rendered as ``/v1/messages`` renders it."""
+    st = state_of(request)
+    sm = st.model(body.model)
+    messages = body.chat()["messages"]
+    try:
+        text = await render_bounded(lambda: sm.llm.render_chat(messages, sm.chat_template, True), st.settings)
+        return {"input_tokens": len(sm.llm.tokenizer.encode(text, add_special_tokens=False))}
+    except LmdockError as exc:
+        raise as_api_error(exc, st.retry_after, sm.hide) from None
+
+
+def _stop(choice: dict[str, Any], sequences: list[str] | None) -> tuple[str, str | None]:
+    """``stop_reason`` and ``stop_sequence`` from chat's ``finish_reason`` and vLLM's ``stop_reason``
+    (the stop string or token that ended the text)."""
+    finish, matched = choice.get("finish_reason"), choice.get("stop_reason")
+    if finish == "length":
+        return "max_tokens", None
+    if finish == "tool_calls":
+        return "tool_use", None
+    if isinstance(matched, str) and matched in (sequences or ()):
+        return "stop_sequence", matched
+    return "end_turn", None
+
+
+def _usage(chat_usage: dict[str, int] | None) -> dict[str, int]:
+    chat_usage = chat_usage or {}
+    return {"input_tokens": chat_usage.get("prompt_tokens", 0), "output_tokens": chat_usage.get("completion_tokens", 0)}
+
+
+def _input(arguments: str) -> dict[str, Any]:
+    """A call's arguments (JSON text) as ``tool_use.input``; text that is no JSON object stays readable."""
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        return {"arguments": arguments}
+    return value if isinstance(value, dict) else {"arguments": value}
+
+
+class _Reply:
+    """One message: its id and its body, whole or as events."""
+
+    def __init__(self, body: MessagesRequest, model: str) -> None:
+        self.body, self.model = body, model
+        self.id = f"msg_{uuid.uuid4().hex}"
+
+    def message(self, content: list[dict[str, Any]], stop: tuple[str | None, str | None], usage: dict[str, int]) -> dict[str, Any]:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
+
+    def whole(self, completion: dict[str, Any]) -> dict[str, Any]:
+        choice = completion["choices"][0]
+        message = choice["message"]
+        content = [{"type": "text", "text": message["content"]}] if message.get("content") else []
+        content += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"], "input": _input(c["function"]["arguments"])}
+                    for c in message.get("tool_calls") or ()]
+        return self.message(content, _stop(choice, self.body.stop_sequences), _usage(completion.get("usage")))
+
+    async def events(self, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+        """The chat chunks as Anthropic's event sequence."""
+        yield {"type": "message_start", "message": self.message([], (None, None), _usage(None))}
+        yield {"type": "ping"}
+        blocks = _Blocks()
+        stop: tuple[str, str | None] = ("end_turn", None)
+        usage = None
+        async for chunk in chunks:
+            if "error" in chunk:
+                err = chunk["error"]
+                status = int(err["code"]) if str(err.get("code", "")).isdigit() else 500
+                yield {"type": "error", "error": error_body(status, err.get("message", ""))["error"]}
+                return
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices", ()):
+                for event in blocks.delta(choice.get("delta", {})):
+                    yield event
+                if choice.get("finish_reason"):
+                    stop = _stop(choice, self.body.stop_sequences)
+        for event in blocks.close():
+            yield event
+        yield {"type": "message_delta", "delta": {"stop_reason": stop[0], "stop_sequence": stop[1]}, "usage": _usage(usage)}
+        yield {"type": "message_stop"}
+
+
+class _Blocks:
+    """The streamed content blocks: the one open now (text, or a call by chat's index) and the next index."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: tuple[str, Any] | None = None  # ("text", None) or ("tool_use", chat's call index)
+
+    def delta(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if delta.get("content"):
+            if self.open != ("text", None):
+                out += self._start(("text", None), {"type": "text", "text": ""})
+            out.append({"type": "content_block_delta", "index": self.index, "delta": {"type": "text_delta", "text": delta["content"]}})
+        for call in delta.get("tool_calls") or ():
+            fn = call.get("function") or {}
+            if self.open != ("tool_use", call.get("index")):
+                out += self._start(("tool_use", call.get("index")), {"type": "tool_use", "id": call.get("id") or "",
+                                                                     "name": fn.get("name") or "", "input": {}})
+            if fn.get("arguments"):
+                out.append({"type": "content_block_delta", "index": self.index,
+                            "delta": {"type": "input_json_delta", "partial_json": fn["arguments"]}})
+        return out
+
+    def _start(self, key: tuple[str, Any], block: dict[str, Any]) -> list[dict[str, Any]]:
+        out = self.close()
+        self.index += 1
+        self.open = key
+        return [*out, {"type": "content_block_start", "index": self.index, "content_block": block}]
+
+    def close(self) -> list[dict[str, Any]]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [{"type": "content_block_stop", "index": self.index}]

@@ -1,0 +1,133 @@
+"""Anthropic's Messages API (the ``anthropic`` client) against a running ``lmdock serve`` (stories260K
+on hf, loopback), built on the chat path: the same prompt and greedy text as ``/v1/chat/completions``.
+
+The server's template renders each message on its own line and the tools' names (a Hermes-style
+``<tool_call>`` template, so the parser is recognized from it); a forced ``tool_choice`` is what
+makes this model call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+from serve_helpers import Server
+
+TEMPLATE = (
+    "{{ bos_token }}{% if tools %}Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}. Call one as "
+    "<tool_call>.\n{% endif %}{% for m in messages %}{% if m.role == 'tool' %}Result {{ m.tool_call_id }}: {{ m.content }}\n"
+    "{% elif m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function.name }}</tool_call>{% endfor %}\n"
+    "{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
+)
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
+           "additionalProperties": False}
+TOOL = {"name": "get_weather", "description": "the weather", "input_schema": WEATHER}
+ASK = [{"role": "user", "content": "Once upon a time"}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("messages")
+    (tmp / "template.jinja").write_text(TEMPLATE, encoding="utf-8")
+    s = Server(tmp, args=("--chat-template", str(tmp / "template.jinja")))
+    yield s
+    s.stop()
+
+
+def client(server: Server, **kw: object) -> anthropic.Anthropic:
+    kw.setdefault("api_key", "unused")
+    return anthropic.Anthropic(base_url=server.url, max_retries=0, **kw)  # type: ignore[arg-type]
+
+
+def chat(server: Server, messages: list[dict[str, str]], max_tokens: int, **kw: object) -> object:
+    c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    return c.chat.completions.create(model="stories", messages=messages, max_tokens=max_tokens, **kw)  # type: ignore[call-overload]
+
+
+def test_text_is_the_chat_paths_text(served: Server) -> None:
+    m = client(served).messages.create(model="stories", max_tokens=20, messages=ASK)  # type: ignore[arg-type]
+    ref = chat(served, ASK, 20)
+    assert m.id.startswith("msg_") and m.type == "message" and m.role == "assistant" and m.model == "stories"
+    (block,) = m.content
+    assert block.type == "text" and block.text == ref.choices[0].message.content  # type: ignore[attr-defined]
+    assert m.stop_reason == "max_tokens" and m.stop_sequence is None
+    assert (m.usage.input_tokens, m.usage.output_tokens) == (ref.usage.prompt_tokens, 20)  # type: ignore[attr-defined]
+
+
+def test_system_as_a_field_and_as_a_role_inside_messages(served: Server) -> None:
+    c = client(served)
+    inside = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": [{"type": "text", "text": "Once upon a time"}]}]
+    m = c.messages.create(model="stories", max_tokens=8, system=[{"type": "text", "text": "Tell a story."}], messages=inside)  # type: ignore[arg-type, list-item]
+    ref = chat(served, [{"role": "system", "content": "Tell a story."}, *inside[:1], ASK[0]], 8)
+    assert m.content[0].text == ref.choices[0].message.content  # type: ignore[union-attr, attr-defined]
+    assert m.usage.input_tokens == ref.usage.prompt_tokens  # type: ignore[attr-defined]
+
+
+def test_a_stop_sequence_is_named(served: Server) -> None:
+    m = client(served).messages.create(model="stories", max_tokens=30, messages=ASK, stop_sequences=["Lily"])  # type: ignore[arg-type]
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == "Lily"
+    assert m.content[0].text.endswith("named ")  # type: ignore[union-attr]
+
+
+def test_streamed_events_come_in_anthropics_order(served: Server) -> None:
+    c = client(served)
+    with c.messages.stream(model="stories", max_tokens=20, messages=ASK) as stream:  # type: ignore[arg-type]
+        events = list(stream)
+        final = stream.get_final_message()
+    whole = c.messages.create(model="stories", max_tokens=20, messages=ASK)  # type: ignore[arg-type]
+    raw = [e.type for e in events if e.type != "text"]  # "text": the helper's own event beside each delta
+    deltas = raw.count("content_block_delta")
+    assert deltas > 2
+    assert raw == ["message_start", "content_block_start", *["content_block_delta"] * deltas, "content_block_stop",
+                   "message_delta", "message_stop"]
+    assert final.content[0].text == whole.content[0].text  # type: ignore[union-attr]
+    assert final.stop_reason == "max_tokens" and final.usage == whole.usage
+
+
+def test_streamed_wire_has_event_names_and_a_ping(served: Server) -> None:
+    body = {"model": "stories", "max_tokens": 5, "messages": ASK, "stream": True}
+    with httpx.stream("POST", f"{served.url}/v1/messages", json=body) as r:
+        names = [line.removeprefix("event: ") for line in r.iter_lines() if line.startswith("event: ")]
+    assert names[:3] == ["message_start", "ping", "content_block_start"] and names[-2:] == ["message_delta", "message_stop"]
+
+
+def test_count_tokens_is_the_prompts_length(served: Server) -> None:
+    c = client(served)
+    n = c.messages.count_tokens(model="stories", system="Tell a story.", messages=ASK)  # type: ignore[arg-type]
+    m = c.messages.create(model="stories", max_tokens=1, system="Tell a story.", messages=ASK)  # type: ignore[arg-type]
+    assert n.input_tokens == m.usage.input_tokens > 5
+
+
+def test_errors_have_anthropics_shape(served: Server) -> None:
+    c = client(served)
+    cases = [({"max_tokens": 5, "messages": ASK, "extra_body": {"top_kk": 3}}, "top_kk"),
+             ({"max_tokens": 5000, "messages": ASK}, "at most"),
+             ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'image' block"),
+             ({"max_tokens": 5, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+             ({"max_tokens": 5, "messages": ASK, "tools": [{"type": "bash_20250124", "name": "bash"}]}, "client tools only")]
+    for kw, words in cases:
+        with pytest.raises(anthropic.BadRequestError) as e:
+            c.messages.create(model="stories", **kw)  # type: ignore[call-overload]
+        assert e.value.body["type"] == "error", kw  # type: ignore[index]
+        assert e.value.body["error"]["type"] == "invalid_request_error", kw  # type: ignore[index]
+        assert words in e.value.body["error"]["message"], kw  # type: ignore[index]
+    with pytest.raises(anthropic.NotFoundError) as e:
+        c.messages.create(model="nope", max_tokens=5, messages=ASK)  # type: ignore[arg-type]
+    assert e.value.body["error"] == {"type": "not_found_error", "message": "model 'nope' is not served here; served models: stories"}  # type: ignore[index]
+    r = httpx.post(f"{served.url}/v1/messages", json={"model": "stories", "messages": ASK})  # the client checks this itself
+    assert r.status_code == 400 and r.json()["error"] == {"type": "invalid_request_error", "message": "max_tokens: Field required"}
+    r = httpx.post(f"{served.url}/v1/messages", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["type"] == "error" and "JSON" in r.json()["error"]["message"]
+
+
+def test_x_api_key_is_the_key(strict: Server) -> None:
+    # the anthropic client sends its key as x-api-key, which the server's guard reads: past it, this
+    # server (which has no chat template) answers the request itself
+    with pytest.raises(anthropic.BadRequestError, match="no chat template"):
+        client(strict, api_key="sekret-key").messages.create(model="stories", max_tokens=3, messages=ASK)  # type: ignore[arg-type]
+    with pytest.raises(anthropic.AuthenticationError):
+        client(strict, api_key="wrong").messages.create(model="stories", max_tokens=3, messages=ASK)  # type: ignore[arg-type]

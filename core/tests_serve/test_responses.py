@@ -1,0 +1,172 @@
+"""OpenAI's Responses API (``client.responses``) against a running ``lmdock serve`` (stories260K on
+hf, loopback), built on the chat path: the same prompt and greedy text as ``/v1/chat/completions``.
+
+The server's template renders each message on its own line and the tools' names (a Hermes-style
+``<tool_call>`` template, so the parser is recognized from it); a forced ``tool_choice`` is what
+makes this model call.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from serve_helpers import Server
+
+TEMPLATE = (
+    "{{ bos_token }}{% if tools %}Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}. Call one as "
+    "<tool_call>.\n{% endif %}{% for m in messages %}{% if m.role == 'tool' %}Result {{ m.tool_call_id }}: {{ m.content }}\n"
+    "{% elif m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function.name }}</tool_call>{% endfor %}\n"
+    "{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
+)
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
+           "additionalProperties": False}
+TOOL = {"type": "function", "name": "get_weather", "description": "the weather", "parameters": WEATHER}
+FORCED = {"type": "function", "name": "get_weather"}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("responses")
+    (tmp / "template.jinja").write_text(TEMPLATE, encoding="utf-8")
+    s = Server(tmp, args=("--chat-template", str(tmp / "template.jinja")))
+    yield s
+    s.stop()
+
+
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_text_is_the_chat_paths_text(served: Server) -> None:
+    c = client(served)
+    r = c.responses.create(model="stories", input="Once upon a time", max_output_tokens=20, temperature=0)
+    chat = c.chat.completions.create(model="stories", messages=[{"role": "user", "content": "Once upon a time"}], max_tokens=20,
+                                     temperature=0)
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == "stories"
+    assert r.output_text == chat.choices[0].message.content and len(r.output_text) > 10
+    (item,) = r.output
+    assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, 20)
+    assert r.usage.total_tokens == r.usage.input_tokens + 20
+    # cut by max_output_tokens: incomplete, saying why
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+
+
+def test_input_items_and_instructions_make_the_chat_messages(served: Server) -> None:
+    c = client(served)
+    items = [{"role": "developer", "content": "Be brief."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Once upon"}, {"type": "input_text", "text": "a time"}]}]
+    r = c.responses.create(model="stories", input=items, instructions="Tell a story.", max_output_tokens=8)
+    messages = [{"role": "system", "content": "Tell a story."}, {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Once upon\na time"}]
+    chat = c.chat.completions.create(model="stories", messages=messages, max_tokens=8)  # type: ignore[arg-type]
+    assert r.output_text == chat.choices[0].message.content
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.instructions == "Tell a story."
+
+
+def test_streamed_events_come_in_openais_order(served: Server) -> None:
+    c = client(served)
+    events = list(c.responses.create(model="stories", input="Once upon a time", max_output_tokens=20, stream=True))
+    whole = c.responses.create(model="stories", input="Once upon a time", max_output_tokens=20)
+    kinds = [e.type for e in events]
+    deltas = kinds.count("response.output_text.delta")
+    assert deltas > 2
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+                     *["response.output_text.delta"] * deltas, "response.output_text.done", "response.content_part.done",
+                     "response.output_item.done", "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text
+    done = [e for e in events if e.type == "response.output_text.done"][0]
+    assert done.text == text and done.item_id == events[2].item.id
+    final = events[-1].response
+    assert final.output_text == text and final.usage.output_tokens == 20 and final.status == "incomplete"
+    assert events[0].response.status == "in_progress" and events[0].response.id == final.id
+
+
+def test_previous_response_id_continues_the_conversation(served: Server) -> None:
+    c = client(served)
+    first = c.responses.create(model="stories", input="Once upon a time", max_output_tokens=12)
+    second = c.responses.create(model="stories", input="Then", previous_response_id=first.id, max_output_tokens=5)
+    alone = c.responses.create(model="stories", input="Then", max_output_tokens=5)
+    # the second prompt holds the first turn: its input and its output, then the new input
+    history = [{"role": "user", "content": "Once upon a time"}, {"role": "assistant", "content": first.output_text},
+               {"role": "user", "content": "Then"}]
+    chat = c.chat.completions.create(model="stories", messages=history, max_tokens=5)  # type: ignore[arg-type]
+    assert second.usage.input_tokens == chat.usage.prompt_tokens > alone.usage.input_tokens + first.usage.output_tokens
+    assert second.output_text == chat.choices[0].message.content
+    assert second.previous_response_id == first.id
+    # a chain goes on, and the stored response reads back
+    third = c.responses.create(model="stories", input="And", previous_response_id=second.id, max_output_tokens=3)
+    assert third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
+    assert c.responses.retrieve(first.id).output_text == first.output_text
+
+
+def test_a_streamed_response_is_stored_too(served: Server) -> None:
+    c = client(served)
+    events = list(c.responses.create(model="stories", input="Once upon a time", max_output_tokens=6, stream=True))
+    first = events[-1].response
+    assert c.responses.retrieve(first.id).output_text == first.output_text
+    second = c.responses.create(model="stories", input="Then", previous_response_id=first.id, max_output_tokens=2)
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+
+
+def test_store_false_keeps_nothing_and_delete_forgets(served: Server) -> None:
+    c = client(served)
+    kept = c.responses.create(model="stories", input="Once", max_output_tokens=2)
+    gone = c.responses.create(model="stories", input="Once", max_output_tokens=2, store=False)
+    assert gone.store is False
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model="stories", input="Then", previous_response_id=gone.id, max_output_tokens=2)
+    assert e.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(gone.id)
+    c.responses.delete(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(kept.id)
+
+
+def test_json_schema_text_format_constrains_the_output_which_completes(served: Server) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"],
+              "additionalProperties": False}
+    fmt = {"format": {"type": "json_schema", "name": "n", "schema": schema}}
+    c = client(served)
+    r = c.responses.create(model="stories", input="Once upon a time", max_output_tokens=60, text=fmt)  # type: ignore[arg-type]
+    jsonschema.validate(json.loads(r.output_text), schema)
+    # the constrained text ends itself (before max_output_tokens): completed
+    events = list(c.responses.create(model="stories", input="Once upon a time", max_output_tokens=60, text=fmt, stream=True))  # type: ignore[arg-type]
+    assert events[-1].type == "response.completed" and events[-1].response.status == "completed"
+    assert events[-1].response.output_text == r.output_text and events[-1].response.incomplete_details is None
+    assert events[-1].response.text.format.type == "json_schema"
+
+
+def test_what_it_cannot_honour_is_a_400_naming_it(served: Server) -> None:
+    c = client(served)
+    cases = [
+        ({"input": "x", "extra_body": {"max_token": 3}}, "max_token", "did you mean 'max_output_tokens'"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input.0.content.0.type", "input_image"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type", "reasoning"),
+        ({"input": [{"role": "user", "content": "x", "colour": 1}]}, "input.0.colour", "colour"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type", "function tools only"),
+        ({"input": "x", "max_output_tokens": 5000}, "max_output_tokens", "at most"),
+        ({"input": "x", "truncation": "auto"}, "truncation", "disabled"),
+        ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", "no extra output"),
+        ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning.effort", "reasoning_parser"),
+    ]
+    for kw, param, words in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.responses.create(model="stories", **kw)  # type: ignore[call-overload]
+        assert e.value.body["param"] == param, kw  # type: ignore[index]
+        assert words in e.value.body["message"], kw  # type: ignore[index]
+
+
+def test_errors_have_openais_shape(served: Server) -> None:
+    r = httpx.post(f"{served.url}/v1/responses", json={"model": "nope", "input": "x"})
+    assert r.status_code == 404
+    assert r.json()["error"]["type"] == "not_found_error" and "stories" in r.json()["error"]["message"]
