@@ -303,7 +303,7 @@ class LLM:
 
     def constrained(self, params: SamplingParams, plan: Any) -> SamplingParams:
         """``params`` with the structured output that keeps ``plan``'s calls valid, where it needs one."""
-        so = plan.constraint(self.backend.capability("structured_output"), params.structured_output, self.backend.name)
+        so = plan.constraint(self.backend.capability("tools"), params.structured_output, self.backend.name)
         return params if so is None else params.replace(structured_output=StructuredOutput(**so))
 
     def render_chat(
