@@ -217,3 +217,29 @@ def test_grammars_compile_and_accept_what_the_parser_reads() -> None:
             if grammar is None:
                 continue
             assert llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_lark(grammar)) == "", (name, lazy)
+
+
+def test_the_guides_plugin_example_registers_a_parser() -> None:
+    """docs/tools.md's plugin example, run: its parser is found by name and reads its format."""
+    import re
+    import types
+    from pathlib import Path
+
+    from lmdock._plugins import get_registry
+    from lmdock.tools import _registry
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "tools.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "lmdock_register_parsers" in b)
+    plugin = types.ModuleType("arrows_plugin")
+    exec(block, plugin.__dict__)  # noqa: S102 - our own documentation
+    registry = get_registry()
+    registry.add_plugin(plugin, "arrows-plugin")
+    _registry.reset()
+    try:
+        parsed = get_parser("arrows").parse('Sure >>>get_time\n{"tz": "UTC"}')
+        assert parsed.content == "Sure " and [(c.name, c.arguments) for c in parsed.calls] == [("get_time", '{"tz": "UTC"}')]
+        assert get_parser("arrows").parse(">>>get_time\n{nope").calls == []
+        assert "arrows" in tools.parser_names()
+    finally:
+        registry.pm.unregister(plugin)
+        _registry.reset()
