@@ -10,6 +10,7 @@ One scan serves both, so a streamed reply and a whole one cannot disagree.
 
 from __future__ import annotations
 
+import copy
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,9 @@ class ToolParser:
     name = ""
     marker = ""
     template_hints: tuple[str, ...] = ()
+    #: what a stream's parser keeps between scans of its growing text (None: a whole-text parse); a
+    #: parser may use it to read only what is new (the JSON formats do)
+    memo: dict[Any, Any] | None = None
 
     def scan(self, text: str, final: bool) -> Scan:
         """Read ``text`` (``final``: the whole output; else a prefix that may still grow)."""
@@ -96,8 +100,10 @@ class ToolParser:
         return Parsed(scan.content if scan.content.strip() else None, calls)
 
     def stream(self) -> ToolStream:
-        """A new incremental parse of one completion."""
-        return ToolStream(self)
+        """A new incremental parse of one completion (with its own copy of this parser and memo)."""
+        own = copy.copy(self)
+        own.memo = {}
+        return ToolStream(own)
 
 
 @dataclass

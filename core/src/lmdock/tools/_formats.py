@@ -45,7 +45,7 @@ class HermesParser(ToolParser):
             if text[body] != "{":
                 error = f"a {self.marker} block must hold a JSON object"
                 break
-            call, end, why = json_call(text, body)
+            call, end, why = json_call(text, body, memo=self.memo)
             calls.append(call)
             if end is None:
                 break
@@ -83,7 +83,7 @@ class Llama3JsonParser(ToolParser):
             return Scan(text if final else "", [])
         if text[start] != "{":
             return Scan(text, [])
-        return _json_list(text, start, ";", ("parameters", "arguments"), final)
+        return _json_list(text, start, ";", ("parameters", "arguments"), final, memo=self.memo)
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool, lazy: bool) -> str | None:
         if lazy:
@@ -109,7 +109,7 @@ class MistralParser(ToolParser):
             return Scan(text if final else text[:first], [PartialCall()] if not final else [], "no calls" if final else None)
         if text[start] != "[":
             return Scan(text, [], "[TOOL_CALLS] must be followed by a JSON list")
-        scan = _json_list(text, _skip_ws(text, start + 1), ",", ("arguments",), final, closer="]")
+        scan = _json_list(text, _skip_ws(text, start + 1), ",", ("arguments",), final, closer="]", memo=self.memo)
         return Scan(text[:first].rstrip() if scan.error is None or not final else text, scan.calls, scan.error)
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool, lazy: bool) -> str | None:
@@ -126,7 +126,7 @@ class PythonicParser(ToolParser):
     template_hints = ("[func_name1(params_name1=params_value1",)
 
     def scan(self, text: str, final: bool) -> Scan:
-        return pythonic_scan(text, final)
+        return pythonic_scan(text, final, self.memo)
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool, lazy: bool) -> str | None:
         if lazy:
@@ -152,7 +152,8 @@ def _skip_ws(text: str, pos: int) -> int:
     return pos
 
 
-def _json_list(text: str, pos: int, sep: str, args_keys: tuple[str, ...], final: bool, closer: str = "") -> Scan:
+def _json_list(text: str, pos: int, sep: str, args_keys: tuple[str, ...], final: bool, closer: str = "",
+               memo: dict[int, Any] | None = None) -> Scan:
     """Calls written as JSON objects one after another, ``sep`` between, ``closer`` after the last."""
     calls: list[PartialCall] = []
     error = None
@@ -162,7 +163,7 @@ def _json_list(text: str, pos: int, sep: str, args_keys: tuple[str, ...], final:
                 break
             error = f"expected a JSON object at character {pos}"
             break
-        call, end, why = json_call(text, pos, args_keys)
+        call, end, why = json_call(text, pos, args_keys, memo)
         calls.append(call)
         if end is None:
             break

@@ -10,56 +10,89 @@ from typing import Any
 from lmdock.tools._base import PartialCall
 
 
-def top_level(text: str, start: int) -> tuple[dict[str, tuple[int, int | None]], int | None]:
-    """The spans of the object at ``text[start]``'s top-level values, by key (end None while a value
-    is unfinished), and the index just past the object (None while it is open)."""
-    spans: dict[str, tuple[int, int | None]] = {}
-    depth, in_str, esc = 0, False, False
-    key_start = key = value_start = None
-    last_key: str | None = None
-    for i in range(start, len(text)):
+class ObjectScan:
+    """The top-level values of the JSON object that opens at ``start``, read as far as a text goes and
+    resumable: a stream hands it the same text grown, and it reads only what is new (a call's
+    arguments can be thousands of characters, sent in as many deltas)."""
+
+    def __init__(self, start: int) -> None:
+        self.start = self.pos = start
+        self.seen = ""  # the text read so far (a reference, to check the next one extends it)
+        self.spans: dict[str, tuple[int, int | None]] = {}
+        self.end: int | None = None  # just past the object, once closed
+        self.depth, self.in_str, self.esc = 0, False, False
+        self.key_start: int | None = None
+        self.key: str | None = None
+        self.value_start: int | None = None
+        self.last_key: str | None = None
+
+    def read(self, text: str) -> ObjectScan:
+        """Read ``text`` (which extends the text read before) up to the object's end."""
+        self.seen = text
+        i = self.pos
+        while self.end is None and i < len(text):
+            self._char(text, i)
+            i += 1
+        self.pos = i
+        return self
+
+    def _char(self, text: str, i: int) -> None:
         ch = text[i]
-        if in_str:
-            if esc:
-                esc = False
+        if self.in_str:
+            if self.esc:
+                self.esc = False
             elif ch == "\\":
-                esc = True
+                self.esc = True
             elif ch == '"':
-                in_str = False
-                if depth == 1 and value_start is None and key_start is not None:
-                    key = text[key_start:i + 1]
-            continue
+                self.in_str = False
+                if self.depth == 1 and self.value_start is None and self.key_start is not None:
+                    self.key = text[self.key_start:i + 1]
+            return
         if ch == '"':
-            in_str = True
-            if depth == 1 and value_start is None:
-                key_start = i
+            self.in_str = True
+            if self.depth == 1 and self.value_start is None:
+                self.key_start = i
         elif ch in "{[":
-            depth += 1
+            self.depth += 1
         elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                if value_start is not None and last_key is not None:
-                    spans[last_key] = (value_start, i)
-                return spans, i + 1
-        elif depth == 1 and ch == ":" and key is not None and value_start is None:
+            self.depth -= 1
+            if self.depth == 0:
+                self._close_value(i)
+                self.end = i + 1
+        elif self.depth == 1 and ch == ":" and self.key is not None and self.value_start is None:
             try:
-                last_key = json.loads(key)
+                self.last_key = json.loads(self.key)
             except ValueError:
-                last_key = None
-            value_start, key = i + 1, None
-            if last_key is not None:
-                spans[last_key] = (value_start, None)
-        elif depth == 1 and ch == "," and value_start is not None:
-            if last_key is not None:
-                spans[last_key] = (value_start, i)
-            value_start, key_start, last_key = None, None, None
-    return spans, None
+                self.last_key = None
+            self.value_start, self.key = i + 1, None
+            if self.last_key is not None:
+                self.spans[self.last_key] = (self.value_start, None)
+        elif self.depth == 1 and ch == "," and self.value_start is not None:
+            self._close_value(i)
+            self.value_start, self.key_start, self.last_key = None, None, None
+
+    def _close_value(self, i: int) -> None:
+        if self.value_start is not None and self.last_key is not None:
+            self.spans[self.last_key] = (self.value_start, i)
 
 
-def json_call(text: str, start: int, args_keys: tuple[str, ...] = ("arguments",)) -> tuple[PartialCall, int | None, str | None]:
+def object_scan(text: str, start: int, memo: dict[int, ObjectScan] | None) -> ObjectScan:
+    """The object at ``start`` read through ``text``; ``memo`` (a stream's) resumes where the last
+    read of a shorter text stopped."""
+    if memo is None:
+        return ObjectScan(start).read(text)
+    scan = memo.get(start)
+    if scan is None or not text.startswith(scan.seen):
+        scan = memo[start] = ObjectScan(start)
+    return scan.read(text)
+
+
+def json_call(text: str, start: int, args_keys: tuple[str, ...] = ("arguments",),
+              memo: dict[int, ObjectScan] | None = None) -> tuple[PartialCall, int | None, str | None]:
     """The call whose JSON object opens at ``text[start]``: ``(call so far, index past it or None,
-    error)``.  The error says why a closed object is not a call."""
-    spans, end = top_level(text, start)
+    error)``.  The error says why a closed object is not a call.  ``memo``: see :func:`object_scan`."""
+    scan = object_scan(text, start, memo)
+    spans, end = scan.spans, scan.end
     call = PartialCall()
     name = spans.get("name")
     if name is not None and name[1] is not None:

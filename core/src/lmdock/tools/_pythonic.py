@@ -14,7 +14,8 @@ from lmdock.tools._base import PartialCall, Scan
 _NAMES = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
 
 
-def pythonic_scan(text: str, final: bool) -> Scan:
+def pythonic_scan(text: str, final: bool, memo: dict[str, Any] | None = None) -> Scan:
+    """``text`` as a list of calls; ``memo`` (a stream's) keeps what earlier, shorter texts showed."""
     body = text.strip()
     if not body.startswith("["):
         return Scan(text if final or body else "", [])
@@ -23,19 +24,23 @@ def pythonic_scan(text: str, final: bool) -> Scan:
     except (SyntaxError, ValueError) as exc:
         if final:
             return Scan(text, [], f"not a list of calls: {exc}")
-        return Scan("", _closed_prefix(body))
+        return Scan("", _closed_prefix(body, memo if memo is not None else {}))
     return Scan("", calls)
 
 
-def _closed_prefix(body: str) -> list[PartialCall]:
-    """The calls of an unfinished list that are already closed (``[f(a=1), g(`` has one)."""
-    found: list[PartialCall] = []
-    for i, ch in enumerate(body):
-        if ch == ")":
-            try:
-                found = _calls(ast.parse(body[:i + 1] + "]", mode="eval").body)
-            except (SyntaxError, ValueError):
-                continue
+def _closed_prefix(body: str, memo: dict[str, Any]) -> list[PartialCall]:
+    """The calls of an unfinished list that are already closed (``[f(a=1), g(`` has one).  Each
+    ``)`` is tried once: what a prefix holds does not change as the text grows."""
+    if not body.startswith(memo.get("body", "")):
+        memo.clear()
+    found, i = memo.get("found", []), memo.get("pos", 0)
+    while (i := body.find(")", i)) >= 0:
+        try:
+            found = _calls(ast.parse(body[:i + 1] + "]", mode="eval").body)
+        except (SyntaxError, ValueError):
+            pass
+        i += 1
+    memo.update(body=body, found=found, pos=len(body))
     return found
 
 
