@@ -145,8 +145,9 @@ def test_second_turn_with_the_tool_result(agent: Server) -> None:
     history = [*ASK, first.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
     r = c.chat.completions.create(model="stories", messages=history, tools=TOOLS, tool_choice="none", max_tokens=10)
     assert r.choices[0].message.content and r.choices[0].finish_reason == "length"
-    tokens = httpx.post(f"{agent.url}/tokenize", json={"model": "stories", "messages": history}, timeout=30).json()
-    assert tokens["count"] > 0
+    bare = httpx.post(f"{agent.url}/tokenize", json={"model": "stories", "messages": history}, timeout=30).json()
+    with_tools = httpx.post(f"{agent.url}/tokenize", json={"model": "stories", "messages": history, "tools": TOOLS}, timeout=30).json()
+    assert with_tools["count"] > bare["count"] > 0  # the tools are rendered as chat renders them
 
 
 def test_tool_errors_name_the_field(agent: Server) -> None:

@@ -205,6 +205,7 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # rendered with the messages, as chat renders them
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
