@@ -8,6 +8,7 @@ makes this model call.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import anthropic
@@ -131,3 +132,53 @@ def test_x_api_key_is_the_key(strict: Server) -> None:
         client(strict, api_key="sekret-key").messages.create(model="stories", max_tokens=3, messages=ASK)  # type: ignore[arg-type]
     with pytest.raises(anthropic.AuthenticationError):
         client(strict, api_key="wrong").messages.create(model="stories", max_tokens=3, messages=ASK)  # type: ignore[arg-type]
+
+
+def _valid_use(block: object) -> dict[str, object]:
+    assert block.type == "tool_use" and block.name == "get_weather" and block.id  # type: ignore[attr-defined]
+    jsonschema.validate(block.input, WEATHER)  # type: ignore[attr-defined]
+    return block.input  # type: ignore[attr-defined, no-any-return]
+
+
+def test_any_and_a_named_tool_call_with_valid_input(served: Server) -> None:
+    c = client(served)
+    for choice in ({"type": "any", "disable_parallel_tool_use": True}, {"type": "tool", "name": "get_weather"}):
+        m = c.messages.create(model="stories", max_tokens=100, messages=ASK, tools=[TOOL], tool_choice=choice)  # type: ignore[arg-type, list-item]
+        (block,) = m.content
+        _valid_use(block)
+        assert m.stop_reason == "tool_use"
+
+
+def test_tool_result_follows_up(served: Server) -> None:
+    c = client(served)
+    first = c.messages.create(model="stories", max_tokens=100, messages=ASK, tools=[TOOL], tool_choice={"type": "tool", "name": "get_weather"})  # type: ignore[arg-type, list-item]
+    use = first.content[0]
+    turn = [*ASK, {"role": "assistant", "content": [use.model_dump(exclude_none=True)]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]}]  # type: ignore[union-attr]
+    m = c.messages.create(model="stories", max_tokens=10, messages=turn, tools=[TOOL], tool_choice={"type": "none"})  # type: ignore[arg-type, list-item]
+    messages = [*ASK, {"role": "assistant", "content": "", "tool_calls": [{"id": use.id, "type": "function", "function": {  # type: ignore[union-attr]
+                    "name": "get_weather", "arguments": json.dumps(use.input)}}]},  # type: ignore[union-attr]
+                {"role": "tool", "tool_call_id": use.id, "content": "sunny"}]  # type: ignore[union-attr]
+    ref = chat(served, messages, 10, tools=[{"type": "function", "function": {"name": "get_weather", "description": "the weather",  # type: ignore[arg-type]
+                                                                                "parameters": WEATHER}}], tool_choice="none")
+    assert m.usage.input_tokens == ref.usage.prompt_tokens > first.usage.input_tokens  # type: ignore[attr-defined]
+    assert m.content[0].text == ref.choices[0].message.content  # type: ignore[union-attr, attr-defined]
+    assert c.messages.count_tokens(model="stories", messages=turn, tools=[TOOL]).input_tokens == m.usage.input_tokens  # type: ignore[arg-type, list-item]
+
+
+def test_a_streamed_call_comes_as_input_json_deltas(served: Server) -> None:
+    c = client(served)
+    kw = {"model": "stories", "max_tokens": 100, "messages": ASK, "tools": [TOOL], "tool_choice": {"type": "tool", "name": "get_weather"}}
+    with c.messages.stream(**kw) as stream:  # type: ignore[arg-type]
+        events = [e for e in stream if e.type not in ("input_json", "text")]  # the helper's own events beside the deltas
+        final = stream.get_final_message()
+    whole = c.messages.create(**kw)  # type: ignore[arg-type]
+    kinds = [e.type for e in events]
+    deltas = kinds.count("content_block_delta")
+    assert deltas > 1
+    assert kinds == ["message_start", "content_block_start", *["content_block_delta"] * deltas, "content_block_stop",
+                     "message_delta", "message_stop"]
+    assert events[1].content_block.type == "tool_use" and all(e.delta.type == "input_json_delta" for e in events[2:-3])  # type: ignore[union-attr]
+    assert _valid_use(final.content[0]) == whole.content[0].input  # type: ignore[union-attr]
+    assert final.stop_reason == "tool_use" and final.usage.input_tokens == whole.usage.input_tokens
+    assert events[0].message.usage.input_tokens == whole.usage.input_tokens  # type: ignore[union-attr]

@@ -170,3 +170,67 @@ def test_errors_have_openais_shape(served: Server) -> None:
     r = httpx.post(f"{served.url}/v1/responses", json={"model": "nope", "input": "x"})
     assert r.status_code == 404
     assert r.json()["error"]["type"] == "not_found_error" and "stories" in r.json()["error"]["message"]
+
+
+def _valid_call(item: object) -> dict[str, object]:
+    """A function_call output item, its arguments parsed and checked against the tool's schema."""
+    assert item.type == "function_call" and item.name == "get_weather" and item.call_id.startswith("call_")  # type: ignore[attr-defined]
+    args = json.loads(item.arguments)  # type: ignore[attr-defined]
+    jsonschema.validate(args, WEATHER)
+    return args  # type: ignore[no-any-return]
+
+
+def test_a_named_function_is_called_with_valid_arguments(served: Server) -> None:
+    r = client(served).responses.create(model="stories", input="Once upon a time", tools=[TOOL], tool_choice=FORCED,  # type: ignore[list-item, arg-type]
+                                        max_output_tokens=100)
+    (item,) = r.output
+    _valid_call(item)
+    assert r.status == "completed" and item.status == "completed"  # type: ignore[union-attr]
+    assert r.tools[0].name == "get_weather" and r.tool_choice.name == "get_weather"  # type: ignore[union-attr]
+
+
+def test_function_call_output_follows_up_by_id_or_by_items(served: Server) -> None:
+    c = client(served)
+    first = c.responses.create(model="stories", input="Once upon a time", tools=[TOOL], tool_choice=FORCED, max_output_tokens=100)  # type: ignore[list-item, arg-type]
+    call = first.output[0]
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}  # type: ignore[union-attr]
+    by_id = c.responses.create(model="stories", previous_response_id=first.id, input=[result], tools=[TOOL], tool_choice="none",  # type: ignore[list-item]
+                               max_output_tokens=10)
+    items = [{"role": "user", "content": "Once upon a time"}, call.model_dump(exclude_none=True), result]
+    by_items = c.responses.create(model="stories", input=items, tools=[TOOL], tool_choice="none", max_output_tokens=10)  # type: ignore[arg-type, list-item]
+    # the same conversation as chat messages: the call as the assistant's tool_calls, its output a tool message
+    messages = [{"role": "user", "content": "Once upon a time"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": call.call_id, "type": "function",  # type: ignore[union-attr]
+                                                                     "function": {"name": "get_weather", "arguments": call.arguments}}]},  # type: ignore[union-attr]
+                {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}]  # type: ignore[union-attr]
+    chat = c.chat.completions.create(model="stories", messages=messages, tools=[{"type": "function", "function": {  # type: ignore[arg-type, list-item]
+        "name": "get_weather", "description": "the weather", "parameters": WEATHER}}], tool_choice="none", max_tokens=10)
+    assert by_id.usage.input_tokens == by_items.usage.input_tokens == chat.usage.prompt_tokens
+    assert by_id.usage.input_tokens > first.usage.input_tokens + 5  # the call and "Result call_...: sunny"
+    assert by_id.output_text == by_items.output_text == chat.choices[0].message.content
+    assert by_id.output[0].type == "message"
+
+
+def test_a_streamed_call_comes_as_argument_deltas(served: Server) -> None:
+    c = client(served)
+    events = list(c.responses.create(model="stories", input="Once upon a time", tools=[TOOL], tool_choice=FORCED,  # type: ignore[list-item, arg-type]
+                                     max_output_tokens=100, stream=True))
+    whole = c.responses.create(model="stories", input="Once upon a time", tools=[TOOL], tool_choice=FORCED, max_output_tokens=100)  # type: ignore[list-item, arg-type]
+    kinds = [e.type for e in events]
+    deltas = kinds.count("response.function_call_arguments.delta")
+    assert deltas > 1
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     *["response.function_call_arguments.delta"] * deltas, "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"]
+    added, done = events[2].item, events[-2].item
+    assert added.type == "function_call" and added.status == "in_progress" and added.arguments == ""
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert events[-3].arguments == arguments == done.arguments
+    assert _valid_call(done) == json.loads(whole.output[0].arguments)  # type: ignore[union-attr]
+    assert done.call_id == added.call_id and events[-1].response.output[0].call_id == added.call_id
+
+
+def test_tool_choice_none_writes_text(served: Server) -> None:
+    r = client(served).responses.create(model="stories", input="Once upon a time", tools=[TOOL], tool_choice="none",  # type: ignore[list-item]
+                                        max_output_tokens=10)
+    assert [item.type for item in r.output] == ["message"] and r.output_text

@@ -11,7 +11,7 @@ from chat renamed into the caller's field names, and server-sent events named by
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -22,6 +22,7 @@ from pydantic_core import PydanticCustomError
 from lmdock.server import serving_chat
 from lmdock.server._errors import APIError
 from lmdock.server._protocol import ChatRequest, unknown_field
+from lmdock.server._streaming import DONE, sse, sse_response
 
 
 class StrictBody(BaseModel):
@@ -48,11 +49,6 @@ def refuse_keys(item: dict[str, Any], known: frozenset[str], where: str) -> None
             raise APIError(400, f"{where}: {unknown_field(key, known)}", param=f"{where}.{key}")
 
 
-def chat_tools_supported() -> bool:
-    """Whether the chat path takes ``tools`` (it did not before tool calling was built)."""
-    return "tools" in ChatRequest.model_fields
-
-
 def chat_request(chat: dict[str, Any]) -> ChatRequest:
     """``chat`` as the chat route's body; what it refuses is a 400 naming the field."""
     try:
@@ -63,37 +59,16 @@ def chat_request(chat: dict[str, Any]) -> ChatRequest:
         raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
 
 
-async def chat_whole(chat: dict[str, Any], request: Request, names: dict[str, str]) -> dict[str, Any]:
-    """The chat completion (OpenAI's ``chat.completion`` object) for ``chat``, not streamed; an
-    error names the caller's fields (``names``: chat's to the caller's, see :func:`renamed`)."""
+async def start_chat(chat: dict[str, Any], request: Request, names: dict[str, str], stream: bool) -> serving_chat.ChatRun:
+    """``chat`` admitted, rendered and submitted on the chat path (``stream``: its chunks will be
+    read, the last one with ``usage``); an error names the caller's fields (``names``: chat's to the
+    caller's, see :func:`renamed`)."""
+    if stream:
+        chat = {**chat, "stream": True, "stream_options": {"include_usage": True}}
     try:
-        response = await serving_chat.chat(chat_request({**chat, "stream": False}), request)
+        return await serving_chat.start_chat(chat_request(chat), request)
     except APIError as exc:
         raise renamed(exc, names) from None
-    return json.loads(bytes(response.body))  # type: ignore[no-any-return]
-
-
-async def chat_stream(chat: dict[str, Any], request: Request, names: dict[str, str]) -> AsyncIterator[dict[str, Any]]:
-    """The chat completion's chunks (OpenAI's ``chat.completion.chunk`` objects, the last one with
-    ``usage``; an error after the start as ``{"error": {...}}``).  The chat route has admitted and
-    submitted the request before this returns, so a bad request is a 400 here, before any event."""
-    try:
-        body = chat_request({**chat, "stream": True, "stream_options": {"include_usage": True}})
-        response = await serving_chat.chat(body, request)
-    except APIError as exc:
-        raise renamed(exc, names) from None
-    return _chunks(response.body_iterator)  # type: ignore[attr-defined]
-
-
-async def _chunks(events: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
-    try:
-        async for event in events:
-            data = event.removeprefix("data: ").strip()
-            if data == "[DONE]":
-                return
-            yield json.loads(data)
-    finally:
-        await events.aclose()  # type: ignore[attr-defined]  # its own finally aborts the engine request
 
 
 def renamed(exc: APIError, names: dict[str, str]) -> APIError:
@@ -109,15 +84,29 @@ def renamed(exc: APIError, names: dict[str, str]) -> APIError:
     return APIError(exc.status, message, param=param, code=exc.code, headers=exc.headers)
 
 
-def typed_sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
-    """``events`` as server-sent events named by their ``type`` (both APIs' clients dispatch on it)."""
+def typed_sse(request: Request, run: serving_chat.ChatRun, events: AsyncIterator[dict[str, Any]],
+              error_event: Callable[[dict[str, Any]], dict[str, Any]]) -> StreamingResponse:
+    """``events`` (each a dict whose first key is ``type``) as server-sent events named by their type,
+    as both APIs send them and Anthropic's client requires.  The chat route's SSE response carries
+    them (its abort on disconnect, its release of the admission); its ``data: {...}`` lines get their
+    ``event:`` line here, its ``[DONE]`` is dropped (neither API sends one), and its error body
+    (``{"error": {...}}``, for a failure after the start) becomes ``error_event(error)``."""
+    response = sse_response(request, events, run.admission, run.retry)
+    response.body_iterator = _named(response.body_iterator, error_event)
+    return response
 
-    async def body() -> AsyncIterator[str]:
-        try:
-            async for event in events:
-                data = json.dumps(event, separators=(",", ":"), ensure_ascii=False)
-                yield f"event: {event['type']}\ndata: {data}\n\n"
-        finally:
-            await events.aclose()  # type: ignore[attr-defined]
 
-    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+async def _named(lines: AsyncIterator[Any], error_event: Callable[[dict[str, Any]], dict[str, Any]]) -> AsyncIterator[str]:
+    start = len('data: {"type":"')
+    try:
+        async for line in lines:
+            if line == DONE:
+                continue
+            if line.startswith('data: {"type":"'):  # sse() writes the dict's first key first, compactly
+                kind = line[start:line.index('"', start)]
+                yield f"event: {kind}\n{line}"
+            else:
+                event = error_event(json.loads(line.removeprefix("data: "))["error"])
+                yield f"event: {event['type']}\n{sse(event)}"
+    finally:
+        await lines.aclose()  # type: ignore[attr-defined]  # its own finally aborts the engine request

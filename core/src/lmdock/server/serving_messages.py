@@ -22,9 +22,9 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import Field
 
-from lmdock.server._chat_bridge import StrictBody, chat_stream, chat_tools_supported, chat_whole, typed_sse
 from lmdock._errors import LmdockError
-from lmdock.server._errors import APIError, as_api_error
+from lmdock.server._chat_bridge import StrictBody, start_chat, typed_sse
+from lmdock.server._errors import as_api_error
 from lmdock.server._messages_blocks import chat_messages, chat_tool_choice, chat_tools
 from lmdock.server._state import state_of
 from lmdock.server._templates import render_bounded
@@ -92,8 +92,6 @@ class _Conversation(StrictBody):
         """The conversation, tools and tool choice as a chat request's fields."""
         chat: dict[str, Any] = {"model": self.model, "messages": chat_messages(self.system, self.messages)}
         if self.tools or self.tool_choice is not None:
-            if not chat_tools_supported():
-                raise APIError(400, "tools: this server does not run tool calls yet", param="tools")
             choice, parallel = chat_tool_choice(self.tool_choice) if self.tool_choice is not None else (None, None)
             chat.update(tools=chat_tools(self.tools or []) or None, tool_choice=choice, parallel_tool_calls=parallel)
         return chat
@@ -120,11 +118,11 @@ class CountTokensRequest(_Conversation):
 
 @router.post("/v1/messages")
 async def create(body: MessagesRequest, request: Request) -> Response:
-    name = state_of(request).model(body.model).name
-    reply = _Reply(body, name)
+    run = await start_chat(body.chat(), request, NAMES, body.stream)
+    reply = _Reply(body, run.model, len(run.prompt_ids))
     if body.stream:
-        return typed_sse(reply.events(await chat_stream(body.chat(), request, NAMES)))
-    return JSONResponse(reply.whole(await chat_whole(body.chat(), request, NAMES)))
+        return typed_sse(request, run, reply.events(run.chunks()), _error_event)
+    return JSONResponse(reply.whole(await run.whole()))
 
 
 @router.post("/v1/messages/count_tokens")
@@ -132,12 +130,20 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, 
     """The tokens the conversation's prompt takes, rendered as ``/v1/messages`` renders it."""
     st = state_of(request)
     sm = st.model(body.model)
-    messages = body.chat()["messages"]
+    chat = body.chat()
     try:
-        text = await render_bounded(lambda: sm.llm.render_chat(messages, sm.chat_template, True), st.settings)
+        plan = sm.llm.chat_plan(chat.get("tools"), chat.get("tool_choice"), chat.get("parallel_tool_calls"), sm.chat_template)
+        text = await render_bounded(lambda: sm.llm.render_chat(chat["messages"], sm.chat_template, True, tools=plan.template_tools),
+                                    st.settings)
         return {"input_tokens": len(sm.llm.tokenizer.encode(text, add_special_tokens=False))}
     except LmdockError as exc:
         raise as_api_error(exc, st.retry_after, sm.hide) from None
+
+
+def _error_event(err: dict[str, Any]) -> dict[str, Any]:
+    """A failure after the start (OpenAI's error body) as Anthropic's ``error`` event."""
+    code = str(err.get("code") or "")
+    return error_body(int(code) if code.isdigit() else 500, err.get("message") or "")
 
 
 def _stop(choice: dict[str, Any], sequences: list[str] | None) -> tuple[str, str | None]:
@@ -170,8 +176,8 @@ def _input(arguments: str) -> dict[str, Any]:
 class _Reply:
     """One message: its id and its body, whole or as events."""
 
-    def __init__(self, body: MessagesRequest, model: str) -> None:
-        self.body, self.model = body, model
+    def __init__(self, body: MessagesRequest, model: str, prompt_tokens: int) -> None:
+        self.body, self.model, self.prompt_tokens = body, model, prompt_tokens
         self.id = f"msg_{uuid.uuid4().hex}"
 
     def message(self, content: list[dict[str, Any]], stop: tuple[str | None, str | None], usage: dict[str, int]) -> dict[str, Any]:
@@ -188,17 +194,13 @@ class _Reply:
 
     async def events(self, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
         """The chat chunks as Anthropic's event sequence."""
-        yield {"type": "message_start", "message": self.message([], (None, None), _usage(None))}
+        start = {"input_tokens": self.prompt_tokens, "output_tokens": 0}
+        yield {"type": "message_start", "message": self.message([], (None, None), start)}
         yield {"type": "ping"}
         blocks = _Blocks()
         stop: tuple[str, str | None] = ("end_turn", None)
         usage = None
         async for chunk in chunks:
-            if "error" in chunk:
-                err = chunk["error"]
-                status = int(err["code"]) if str(err.get("code", "")).isdigit() else 500
-                yield {"type": "error", "error": error_body(status, err.get("message", ""))["error"]}
-                return
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices", ()):
                 for event in blocks.delta(choice.get("delta", {})):

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, model_validator
 
-from lmdock.server._chat_bridge import StrictBody, chat_stream, chat_tools_supported, chat_whole, typed_sse
+from lmdock.server._chat_bridge import StrictBody, start_chat, typed_sse
 from lmdock.server._errors import APIError
 from lmdock.server._response_store import ResponseStore, Stored
 from lmdock.server._responses_items import chat_response_format, chat_tool_choice, chat_tools, input_messages
@@ -82,8 +82,6 @@ class ResponsesRequest(StrictBody):
         chat: dict[str, Any] = {"model": self.model, "messages": [*system, *history], "max_tokens": self.max_output_tokens,
                                 "temperature": self.temperature, "top_p": self.top_p, "user": self.user}
         if self.tools or self.tool_choice is not None or self.parallel_tool_calls is not None:
-            if not chat_tools_supported():
-                raise APIError(400, "tools: this server does not run tool calls yet", param="tools")
             chat.update(tools=chat_tools(self.tools or []) or None, parallel_tool_calls=self.parallel_tool_calls,
                         tool_choice=None if self.tool_choice is None else chat_tool_choice(self.tool_choice))
         if self.text is not None and self.text.format is not None:
@@ -98,10 +96,11 @@ async def create(body: ResponsesRequest, request: Request) -> Response:
     store = _store(request)
     history = (*_previous(store, body.previous_response_id), *input_messages(body.input))
     turn = _Turn(body, name, history, store)
-    chat = body.chat(history)
+    run = await start_chat(body.chat(history), request, NAMES, body.stream)
     if body.stream:
-        return typed_sse(turn.events(await chat_stream(chat, request, NAMES)))
-    return JSONResponse(turn.whole(await chat_whole(chat, request, NAMES)))
+        seq = _Sequence()
+        return typed_sse(request, run, turn.events(run.chunks(), seq), seq.error)
+    return JSONResponse(turn.whole(await run.whole()))
 
 
 @router.get("/v1/responses/{response_id}")
@@ -203,16 +202,11 @@ class _Turn:
                    for c in calls]
         return self.finish(status, output, completion.get("usage"), text, calls)
 
-    async def events(self, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
-        """The chat chunks as the Responses API's event sequence."""
-        seq = _Sequence()
+    async def events(self, chunks: AsyncIterator[dict[str, Any]], seq: _Sequence) -> AsyncIterator[dict[str, Any]]:
+        """The chat chunks as the Responses API's event sequence (numbered by ``seq``)."""
         yield seq.event("response.created", response=self.response("in_progress", [], None))
         yield seq.event("response.in_progress", response=self.response("in_progress", [], None))
         async for chunk in chunks:
-            if "error" in chunk:
-                err = chunk["error"]
-                yield seq.event("error", code=err.get("code"), message=err.get("message"), param=err.get("param"))
-                return
             for event in seq.chunk(chunk):
                 yield event
         for event in seq.end():
@@ -237,6 +231,10 @@ class _Sequence:
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         self.number += 1
         return {"type": kind, "sequence_number": self.number - 1, **fields}
+
+    def error(self, err: dict[str, Any]) -> dict[str, Any]:
+        """A failure after the start (OpenAI's error body) as the ``error`` event."""
+        return self.event("error", code=err.get("code"), message=err.get("message"), param=err.get("param"))
 
     def chunk(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
         if chunk.get("usage"):
@@ -303,7 +301,7 @@ class _Sequence:
             out = [self.event("response.output_text.done", **where, content_index=0, text=item["text"], logprobs=[]),
                    self.event("response.content_part.done", **where, content_index=0, part=part)]
         else:
-            done = _call_item(item["id"], item["call_id"], item["name"], item["text"], "completed")
+            done = _call_item(item["id"], item["call_id"], item["name"], item["text"], status)
             self.calls.append({"id": item["call_id"], "type": "function",
                                "function": {"name": item["name"], "arguments": item["text"]}})
             out = [self.event("response.function_call_arguments.done", **where, name=item["name"], arguments=item["text"])]
