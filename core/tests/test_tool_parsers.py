@@ -8,9 +8,7 @@ import json
 import random
 
 import pytest
-
-from lmdock import tools
-from lmdock._errors import ConfigError, RequestError
+from lmdock import ConfigError, RequestError, tools
 from lmdock.tools import ChatPlan, ReasoningStream, get_parser, get_reasoning_parser
 
 WEATHER = '{"city": "San Francisco", "metric": "celsius"}'
