@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Annotated
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from pydantic import Field
 from serve_helpers import Server
 
 TEMPLATE = (
@@ -234,3 +236,32 @@ def test_tool_choice_none_writes_text(served: Server) -> None:
     r = client(served).responses.create(model="stories", input="Once upon a time", tools=[TOOL], tool_choice="none",  # type: ignore[list-item]
                                         max_output_tokens=10)
     assert [item.type for item in r.output] == ["message"] and r.output_text
+
+
+def test_an_openai_agents_sdk_agent_runs_its_tool_to_completion(served: Server) -> None:
+    # The Agents SDK speaks the Responses API.  Forced, this model calls; the agent runs the tool and,
+    # told to stop on its first tool, finishes with the tool's result (left to go on, this model writes
+    # until max_output_tokens, which the SDK takes as a failed turn).
+    agents = pytest.importorskip("agents", reason="openai-agents is in the serve env (scripts/test.sh)")
+    from openai import AsyncOpenAI
+
+    agents.set_tracing_disabled(True)
+    cities: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: Annotated[str, Field(max_length=10)]) -> str:
+        """The weather in a city."""
+        cities.append(city)
+        return f"sunny in {city}"
+
+    model = agents.OpenAIResponsesModel(model="stories", openai_client=AsyncOpenAI(base_url=f"{served.url}/v1", api_key="unused",
+                                                                                   max_retries=0))
+    agent = agents.Agent(name="teller", instructions="Tell a story.", tools=[get_weather], model=model,
+                         tool_use_behavior="stop_on_first_tool",
+                         model_settings=agents.ModelSettings(tool_choice="get_weather", parallel_tool_calls=False, max_tokens=200))
+    result = agents.Runner.run_sync(agent, "Once upon a time", max_turns=2)
+    (city,) = cities
+    assert len(city) <= 10
+    assert result.final_output == f"sunny in {city}"
+    kinds = [type(item).__name__ for item in result.new_items]
+    assert kinds == ["ToolCallItem", "ToolCallOutputItem"]
