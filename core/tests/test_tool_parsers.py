@@ -190,8 +190,8 @@ def test_thinking_off_reads_no_thinking() -> None:
 
 def test_plan_constraints() -> None:
     yes, no = (True, ""), (False, "no grammar engine")
-    assert _plan(tool_choice="required").constraint(yes, None, "hf")["grammar"].startswith("start: call")  # type: ignore[index]
-    assert "TEXT" in _plan(tool_choice="auto").constraint(yes, None, "hf")["grammar"]  # type: ignore[index]
+    assert _plan(tool_choice="required").constraint(yes, None, "hf")["grammar"].startswith('start: "<tool_call>"')  # type: ignore[index]
+    assert "PLAIN" in _plan(tool_choice="auto").constraint(yes, None, "hf")["grammar"]  # type: ignore[index]
     assert _plan(tool_choice="auto").constraint(no, None, "x") is None  # read only
     assert _plan(tool_choice="none").constraint(yes, None, "hf") is None
     with pytest.raises(RequestError, match="cannot constrain"):
@@ -206,15 +206,72 @@ def test_plan_constraints() -> None:
         _plan(tools=[{"type": "function", "function": {"name": "x", "parameters": "no"}}])
 
 
-def test_grammars_compile_and_accept_what_the_parser_reads() -> None:
+STRICT = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                                                       "required": ["a"], "additionalProperties": False}}}]
+# (parser, a call in its format as the grammar writes it (compact JSON), a call to a function not in tools)
+CALLS = {
+    "hermes": ('<tool_call>\n{"name":"f","arguments":{"a":1}}\n</tool_call>', '<tool_call>\n{"name":"g"'),
+    "mistral": ('[TOOL_CALLS][{"name":"f","arguments":{"a":1}}]', '[TOOL_CALLS][{"name":"g"'),
+    "llama3_json": ('{"name":"f","parameters":{"a":1}}', '{"name":"g"'),
+    "pythonic": ("[f(a=1)]", "[g("),
+}
+
+
+def _matcher(grammar: str) -> tuple[object, object]:
+    """An llguidance matcher for ``grammar`` over stories260K's tokenizer (read as JSON text)."""
+    import os
+    from pathlib import Path
+
     llg = pytest.importorskip("llguidance")
-    for name in ("hermes", "mistral", "llama3_json", "pythonic"):
-        parser = get_parser(name)
-        for lazy in (False, True):
-            grammar = parser.grammar(TOOLS, parallel=True, lazy=lazy)
-            if grammar is None:
-                continue
-            assert llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_lark(grammar)) == "", (name, lazy)
+    folder = Path(os.environ.get("LMDOCK_MODELS", "")) / "stories260K"
+    if not (folder / "tokenizer.json").is_file():
+        pytest.fail(f"stories260K not found under LMDOCK_MODELS ({folder})")
+    tok = llg.LLTokenizer((folder / "tokenizer.json").read_text(), n_vocab=512, eos_token=2)
+    compiled = llg.LLMatcher.grammar_from_lark(grammar)
+    assert llg.LLMatcher.validate_grammar(compiled) == ""
+    return llg.LLMatcher(tok, compiled), tok
+
+
+def _accepts(grammar: str, text: str) -> bool:
+    """Whether the grammar lets a model write ``text`` whole and stop there."""
+    matcher, tok = _matcher(grammar)
+    ok = all(matcher.consume_token(t) for t in tok.tokenize_str(text))  # type: ignore[attr-defined]
+    return ok and matcher.is_accepting()  # type: ignore[attr-defined,no-any-return]
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_forced_grammar_takes_valid_calls_only(name: str) -> None:
+    good, bad = CALLS[name]
+    grammar = get_parser(name).grammar(STRICT, parallel=False, lazy=False)
+    assert grammar is not None
+    assert _accepts(grammar, good)
+    assert get_parser(name).parse(good).calls[0].name == "f"  # what the grammar writes, the parser reads
+    assert not _accepts(grammar, bad) and not _accepts(grammar, "Hello")
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_lazy_grammar_takes_text_or_text_then_valid_calls(name: str) -> None:
+    good, bad = CALLS[name]
+    grammar = get_parser(name).grammar(STRICT, parallel=True, lazy=True)
+    assert grammar is not None
+    assert _accepts(grammar, "Once upon a time, a <big> [red] ball.")
+    assert _accepts(grammar, good)
+    assert not _accepts(grammar, bad)
+    if get_parser(name).marker and name != "llama3_json":  # formats that allow text before the calls
+        assert _accepts(grammar, "Let me <see>. " + good)
+        assert not _accepts(grammar, "Let me see. " + bad)
+
+
+@pytest.mark.parametrize("opened", [True, False])
+def test_forced_grammar_lets_the_model_think_first(opened: bool) -> None:
+    plan = _plan(tools=STRICT, tool_choice="required", parallel=False, reasoning_parser="think")
+    plan.after_render("<think>\n" if opened else "")
+    grammar = plan.constraint((True, ""), None, "hf")["grammar"]  # type: ignore[index]
+    call = CALLS["hermes"][0]
+    thought = "Hmm, <maybe> f.</think>\n\n" if opened else "<think>Hmm, <maybe> f.</think>\n\n"
+    assert _accepts(grammar, thought + call)
+    assert not _accepts(grammar, thought + "Hello")
+    assert _accepts(grammar, call) != opened  # with the span open, the model must close it first
 
 
 def test_the_guides_plugin_example_registers_a_parser() -> None:

@@ -13,11 +13,29 @@ from lmdock.tools._jsoncall import calls_schema, json_call
 from lmdock.tools._pythonic import pythonic_scan
 
 
-def _text_or_call(text_rule: str, calls: str, lazy: bool) -> str:
-    """``start`` for calls only, or (``lazy``) for plain text that may end in calls."""
+def lark_regex(text: str) -> str:
+    """``text`` as a literal inside a Lark ``/.../`` regex."""
+    return re.escape(text).replace("/", "\\/")
+
+
+def up_to(marker: str, opening: str = "") -> str:
+    """A Lark regex for any text (after ``opening``) that ends at the first ``marker``, included.
+
+    One lexeme, never text then a separate marker: llguidance's lexer does not split a greedy lexeme
+    back, so "text without the marker" followed by the marker's literal could never write the marker."""
+    o, m = lark_regex(opening), lark_regex(marker)
+    return f"/{o}(.|\\n)*{m}/ & ~/{o}(.|\\n)*{m}(.|\\n)+/"
+
+
+def opened_by(marker: str, after: str, lazy: bool) -> str:
+    """``start`` for ``marker`` then ``after`` (calls only), or (``lazy``) for plain text without the
+    marker, or any text up to the marker and then ``after`` (llama.cpp's lazy grammars)."""
     if not lazy:
-        return f"start: {calls}\n"
-    return f"start: {text_rule}? ({calls})?\n"
+        return f"start: {json.dumps(marker)} {after}\n"
+    m = lark_regex(marker)
+    return (f"start: PLAIN | UPTO_MARKER {after}\n"
+            f"PLAIN: /(.|\\n)*/ & ~/(.|\\n)*{m}(.|\\n)*/\n"
+            f"UPTO_MARKER: {up_to(marker)}\n")
 
 
 class HermesParser(ToolParser):
@@ -58,9 +76,8 @@ class HermesParser(ToolParser):
         return Scan(text[:first].rstrip() if calls else text[:first], calls, error)
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool, lazy: bool) -> str | None:
-        calls = 'call ("\\n" call)*' if parallel else "call"
-        return (_text_or_call("TEXT", calls, lazy)
-                + 'TEXT: /(.|\\n)+/ & ~/(.|\\n)*<tool_call>(.|\\n)*/\n'
+        more = ' ("\\n" call)*' if parallel else ""
+        return (opened_by(self.marker, f'"\\n" body "\\n</tool_call>"{more}', lazy)
                 + 'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
                 + f"body: %json {json.dumps(calls_schema(tools))}\n")
 
@@ -86,10 +103,10 @@ class Llama3JsonParser(ToolParser):
         return _json_list(text, start, ";", ("parameters", "arguments"), final, memo=self.memo)
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool, lazy: bool) -> str | None:
-        if lazy:
-            return None
         calls = 'call ("; " call)*' if parallel else "call"
-        return f"start: {calls}\ncall: %json {json.dumps(calls_schema(tools, 'parameters'))}\n"
+        plain = "PLAIN | " if lazy else ""  # a call is the whole reply: text is what does not open with "{"
+        return (f"start: {plain}{calls}\nPLAIN: /[^{{](.|\\n)*/\n"
+                f"call: %json {json.dumps(calls_schema(tools, 'parameters'))}\n")
 
 
 class MistralParser(ToolParser):
@@ -114,9 +131,7 @@ class MistralParser(ToolParser):
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool, lazy: bool) -> str | None:
         calls = 'call (", " call)*' if parallel else "call"
-        return (_text_or_call("TEXT", '"[TOOL_CALLS][" calls "]"', lazy)
-                + 'TEXT: /(.|\\n)+/ & ~/(.|\\n)*\\[TOOL_CALLS\\](.|\\n)*/\n'
-                + f"calls: {calls}\ncall: %json {json.dumps(calls_schema(tools))}\n")
+        return opened_by(self.marker, f'"[" {calls} "]"', lazy) + f"call: %json {json.dumps(calls_schema(tools))}\n"
 
 
 class PythonicParser(ToolParser):
@@ -129,8 +144,6 @@ class PythonicParser(ToolParser):
         return pythonic_scan(text, final, self.memo)
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool, lazy: bool) -> str | None:
-        if lazy:
-            return None
         alts = []
         for i, t in enumerate(tools):
             fn = t.get("function", {})
@@ -143,7 +156,8 @@ class PythonicParser(ToolParser):
                         + "".join(f"v{i}_{j}: %json {json.dumps(s)}\n" for j, s in enumerate(props.values())))
         names = " | ".join(f"c{i}" for i in range(len(tools)))
         calls = 'call (", " call)*' if parallel else "call"
-        return f'start: "[" {calls} "]"\ncall: {names}\n' + "".join(alts)
+        plain = "PLAIN | " if lazy else ""  # the calls are the whole reply: text is what does not open with "["
+        return f'start: {plain}"[" {calls} "]"\nPLAIN: /[^\\[](.|\\n)*/\ncall: {names}\n' + "".join(alts)
 
 
 def _skip_ws(text: str, pos: int) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 
 from lmdock._errors import RequestError
 from lmdock.tools._base import CallDelta, ToolCall, ToolParser, ToolStream
+from lmdock.tools._formats import up_to
 from lmdock.tools._reasoning import ReasoningParser, ReasoningStream
 
 ToolChoice = str | dict[str, Any] | None
@@ -163,9 +164,9 @@ class ChatPlan:
         r = self.reasoning
         if r is None:
             return grammar
-        think = f"THINK: /(.|\\n)*/ & ~/(.|\\n)*{_lark_re(r.end)}(.|\\n)*/\n"
-        span = f'THINK {json.dumps(r.end)} /\\s*/' if self.opened else f'({json.dumps(r.start)} THINK {json.dumps(r.end)} /\\s*/)?'
-        return f"start: {span} tool_start\n{think}" + grammar.replace("start:", "tool_start:", 1)
+        thought = up_to(r.end, "" if self.opened else r.start)  # one lexeme: see up_to
+        span = "THOUGHT WS?" if self.opened else "(THOUGHT WS?)?"
+        return f"start: {span} tool_start\nTHOUGHT: {thought}\nWS: /\\s+/\n" + grammar.replace("start:", "tool_start:", 1)
 
     def read(self, text: str) -> Reading:
         """A finished completion's text read into thinking, content and calls."""
@@ -183,12 +184,6 @@ class ChatPlan:
     def stream(self) -> PlanStream:
         """An incremental read of one completion."""
         return PlanStream(self)
-
-
-def _lark_re(text: str) -> str:
-    import re
-
-    return re.escape(text).replace("/", "\\/")
 
 
 @dataclass(frozen=True)
