@@ -16,6 +16,7 @@ the grammars that make a call valid by construction.  Imports no engine (see ``d
 from __future__ import annotations
 
 from lmdock.tools._base import CallDelta, Parsed, PartialCall, Scan, ToolCall, ToolParser, ToolStream, call_id
+from lmdock.tools._formats import opened_by, up_to
 from lmdock.tools._plan import ChatPlan, Piece, PlanStream, Reading, check_tools, template_messages
 from lmdock.tools._reasoning import ReasoningParser, ReasoningStream, Split
 from lmdock.tools._registry import (
@@ -45,8 +46,10 @@ __all__ = [
     "check_tools",
     "get_parser",
     "get_reasoning_parser",
+    "opened_by",
     "parser_for_template",
     "parser_names",
     "reasoning_parser_names",
     "template_messages",
+    "up_to",
 ]
