@@ -16,13 +16,14 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from serve_helpers import Server
+from serve_helpers import Server, models_dir
 
 TEMPLATE = (
     "{{ bos_token }}{% if tools %}Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}. Call one as "
     "<tool_call>.\n{% endif %}{% for m in messages %}{% if m.role == 'tool' %}Result {{ m.tool_call_id }}: {{ m.content }}\n"
     "{% elif m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function.name }}</tool_call>{% endfor %}\n"
     "{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt and (enable_thinking is not defined or enable_thinking) %}<think>\n{% endif %}"
 )
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
            "additionalProperties": False}
@@ -34,7 +35,10 @@ ASK = [{"role": "user", "content": "Once upon a time"}]
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("messages")
     (tmp / "template.jinja").write_text(TEMPLATE, encoding="utf-8")
-    s = Server(tmp, args=("--chat-template", str(tmp / "template.jinja")))
+    thinker = (f'[models.thinker]\nmodel = "{models_dir()}"\nbackend = "hf"\nreasoning_parser = "think"\n'
+               '[models.thinker.sampling]\ntemperature = 0.0\nmax_new_tokens = 40\n')
+    s = Server(tmp, args=("--chat-template", str(tmp / "template.jinja"), "--model", "stories", "--model", "thinker"),
+               extra_models=thinker)
     yield s
     s.stop()
 
@@ -44,9 +48,14 @@ def client(server: Server, **kw: object) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server.url, max_retries=0, **kw)  # type: ignore[arg-type]
 
 
-def chat(server: Server, messages: list[dict[str, str]], max_tokens: int, **kw: object) -> object:
+def chat(server: Server, messages: list[dict[str, str]], max_tokens: int, model: str = "stories", **kw: object) -> object:
     c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-    return c.chat.completions.create(model="stories", messages=messages, max_tokens=max_tokens, **kw)  # type: ignore[call-overload]
+    return c.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, **kw)  # type: ignore[call-overload]
+
+
+def ref_tokens(server: Server, messages: list[dict[str, str]]) -> int:
+    """The prompt tokens chat counts for ``messages`` on the thinker."""
+    return chat(server, messages, 1, model="thinker").usage.prompt_tokens  # type: ignore[attr-defined, no-any-return]
 
 
 def test_text_is_the_chat_paths_text(served: Server) -> None:
@@ -118,7 +127,7 @@ def test_errors_have_anthropics_shape(served: Server) -> None:
         assert words in e.value.body["error"]["message"], kw  # type: ignore[index]
     with pytest.raises(anthropic.NotFoundError) as e:
         c.messages.create(model="nope", max_tokens=5, messages=ASK)  # type: ignore[arg-type]
-    assert e.value.body["error"] == {"type": "not_found_error", "message": "model 'nope' is not served here; served models: stories"}  # type: ignore[index]
+    assert e.value.body["error"] == {"type": "not_found_error", "message": "model 'nope' is not served here; served models: stories, thinker"}  # type: ignore[index]
     r = httpx.post(f"{served.url}/v1/messages", json={"model": "stories", "messages": ASK})  # the client checks this itself
     assert r.status_code == 400 and r.json()["error"] == {"type": "invalid_request_error", "message": "max_tokens: Field required"}
     r = httpx.post(f"{served.url}/v1/messages", content=b"{not json", headers={"content-type": "application/json"})
@@ -182,3 +191,24 @@ def test_a_streamed_call_comes_as_input_json_deltas(served: Server) -> None:
     assert _valid_use(final.content[0]) == whole.content[0].input  # type: ignore[union-attr]
     assert final.stop_reason == "tool_use" and final.usage.input_tokens == whole.usage.input_tokens
     assert events[0].message.usage.input_tokens == whole.usage.input_tokens  # type: ignore[union-attr]
+
+
+def test_a_reasoning_model_answers_with_a_thinking_block(served: Server) -> None:
+    # "thinker" is stories260K with the think reasoning parser; the template opens <think> (as Qwen3's
+    # does) unless thinking is disabled, and this model never closes it: all its text is thinking
+    c = client(served)
+    m = c.messages.create(model="thinker", max_tokens=20, messages=ASK)  # type: ignore[arg-type]
+    ref = chat(served, ASK, 20, model="thinker")
+    (block,) = m.content
+    assert block.type == "thinking" and block.thinking == ref.choices[0].message.reasoning_content  # type: ignore[union-attr, attr-defined]
+    with c.messages.stream(model="thinker", max_tokens=20, messages=ASK) as stream:  # type: ignore[arg-type]
+        deltas = [e.delta.thinking for e in stream if e.type == "content_block_delta"]  # type: ignore[union-attr]
+        assert "".join(deltas) == stream.get_final_message().content[0].thinking == block.thinking  # type: ignore[union-attr]
+    off = c.messages.create(model="thinker", max_tokens=20, messages=ASK, thinking={"type": "disabled"})  # type: ignore[arg-type]
+    assert [b.type for b in off.content] == ["text"]
+    # a thinking block in the history goes back to the template as the turn's reasoning_content
+    turn = [*ASK, {"role": "assistant", "content": [block.model_dump(), {"type": "text", "text": "Hi."}]},
+            {"role": "user", "content": "Then"}]
+    again = c.messages.create(model="thinker", max_tokens=2, messages=turn)  # type: ignore[arg-type]
+    history = [*ASK, {"role": "assistant", "content": "Hi.", "reasoning_content": block.thinking}, {"role": "user", "content": "Then"}]  # type: ignore[union-attr]
+    assert again.usage.input_tokens == ref_tokens(served, history)

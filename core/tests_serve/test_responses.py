@@ -17,13 +17,14 @@ import jsonschema
 import openai
 import pytest
 from pydantic import Field
-from serve_helpers import Server
+from serve_helpers import Server, models_dir
 
 TEMPLATE = (
     "{{ bos_token }}{% if tools %}Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}. Call one as "
     "<tool_call>.\n{% endif %}{% for m in messages %}{% if m.role == 'tool' %}Result {{ m.tool_call_id }}: {{ m.content }}\n"
     "{% elif m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function.name }}</tool_call>{% endfor %}\n"
     "{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt and (enable_thinking is not defined or enable_thinking) %}<think>\n{% endif %}"
 )
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
            "additionalProperties": False}
@@ -35,7 +36,10 @@ FORCED = {"type": "function", "name": "get_weather"}
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("responses")
     (tmp / "template.jinja").write_text(TEMPLATE, encoding="utf-8")
-    s = Server(tmp, args=("--chat-template", str(tmp / "template.jinja")))
+    thinker = (f'[models.thinker]\nmodel = "{models_dir()}"\nbackend = "hf"\nreasoning_parser = "think"\n'
+               '[models.thinker.sampling]\ntemperature = 0.0\nmax_new_tokens = 40\n')
+    s = Server(tmp, args=("--chat-template", str(tmp / "template.jinja"), "--model", "stories", "--model", "thinker"),
+               extra_models=thinker)
     yield s
     s.stop()
 
@@ -153,7 +157,8 @@ def test_what_it_cannot_honour_is_a_400_naming_it(served: Server) -> None:
     cases = [
         ({"input": "x", "extra_body": {"max_token": 3}}, "max_token", "did you mean 'max_output_tokens'"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input.0.content.0.type", "input_image"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type", "reasoning"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type", "item_reference"),
+        ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]}, "input.0.encrypted_content", "encrypted"),
         ({"input": [{"role": "user", "content": "x", "colour": 1}]}, "input.0.colour", "colour"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type", "function tools only"),
         ({"input": "x", "max_output_tokens": 5000}, "max_output_tokens", "at most"),
@@ -265,3 +270,27 @@ def test_an_openai_agents_sdk_agent_runs_its_tool_to_completion(served: Server) 
     assert result.final_output == f"sunny in {city}"
     kinds = [type(item).__name__ for item in result.new_items]
     assert kinds == ["ToolCallItem", "ToolCallOutputItem"]
+
+
+def test_a_reasoning_model_answers_with_a_reasoning_item(served: Server) -> None:
+    # "thinker" is stories260K with the think reasoning parser; the template opens <think> (as Qwen3's
+    # does), and this model never closes it: all its text is reasoning
+    c = client(served)
+    r = c.responses.create(model="thinker", input="Once upon a time", max_output_tokens=20)
+    ref = c.chat.completions.create(model="thinker", messages=[{"role": "user", "content": "Once upon a time"}], max_tokens=20)
+    (item,) = r.output
+    assert item.type == "reasoning" and item.content[0].type == "reasoning_text"  # type: ignore[union-attr, index]
+    assert item.content[0].text == ref.choices[0].message.reasoning_content  # type: ignore[union-attr, index, attr-defined]
+    events = list(c.responses.create(model="thinker", input="Once upon a time", max_output_tokens=20, stream=True))
+    kinds = [e.type for e in events]
+    deltas = kinds.count("response.reasoning_text.delta")
+    assert deltas > 2
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+                     *["response.reasoning_text.delta"] * deltas, "response.reasoning_text.done", "response.content_part.done",
+                     "response.output_item.done", "response.incomplete"]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == item.content[0].text  # type: ignore[union-attr, index]
+    # the reasoning item goes back as input (as the Agents SDK sends it), or through the store: one conversation
+    by_id = c.responses.create(model="thinker", input="Then", previous_response_id=r.id, max_output_tokens=2)
+    items = [{"role": "user", "content": "Once upon a time"}, item.model_dump(exclude_none=True), {"role": "user", "content": "Then"}]
+    by_items = c.responses.create(model="thinker", input=items, max_output_tokens=2)  # type: ignore[arg-type]
+    assert by_id.usage.input_tokens == by_items.usage.input_tokens

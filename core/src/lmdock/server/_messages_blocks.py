@@ -20,6 +20,7 @@ _BLOCK_KEYS = {
     "text": frozenset({"type", "text", "cache_control", "citations"}),
     "tool_use": frozenset({"type", "id", "name", "input", "cache_control"}),
     "tool_result": frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"}),
+    "thinking": frozenset({"type", "thinking", "signature", "cache_control"}),
 }
 _TOOL_KEYS = frozenset({"type", "name", "description", "input_schema", "cache_control"})
 
@@ -53,8 +54,8 @@ def _blocks(content: Any, where: str) -> list[tuple[str, dict[str, Any]]]:
         at = f"{where}.{j}"
         kind = block.get("type") if isinstance(block, dict) else type(block).__name__
         if kind not in _BLOCK_KEYS:
-            raise APIError(400, f"{at} is a {kind!r} block; lmdock serves text models: send text, tool_use and "
-                                "tool_result blocks", param=f"{at}.type")
+            raise APIError(400, f"{at} is a {kind!r} block; lmdock serves text models: send text, thinking, tool_use "
+                                "and tool_result blocks", param=f"{at}.type")
         refuse_keys(block, _BLOCK_KEYS[kind], at)
         out.append((at, block))
     return out
@@ -85,16 +86,20 @@ def _user(content: Any, where: str) -> list[dict[str, Any]]:
             else:
                 out.append({"role": "user", "content": _string(block, "text", at)})
         else:
-            raise APIError(400, f"{at} is a tool_use block in a user message; tool_use belongs to the assistant",
+            raise APIError(400, f"{at} is a {block['type']} block in a user message; it belongs to the assistant",
                            param=f"{at}.type")
     return out
 
 
 def _assistant(content: Any, where: str) -> dict[str, Any]:
-    texts, calls = [], []
+    """An assistant turn: its text, its ``tool_use`` blocks as ``tool_calls`` and its ``thinking`` as
+    ``reasoning_content`` (which the template shows or leaves out, as it does in chat)."""
+    texts, calls, thoughts = [], [], []
     for at, block in _blocks(content, where):
         if block["type"] == "text":
             texts.append(_string(block, "text", at))
+        elif block["type"] == "thinking":
+            thoughts.append(_string(block, "thinking", at))
         elif block["type"] == "tool_use":
             if not isinstance(block.get("input"), dict):
                 raise APIError(400, f"{at}.input must be an object", param=f"{at}.input")
@@ -103,7 +108,12 @@ def _assistant(content: Any, where: str) -> dict[str, Any]:
         else:
             raise APIError(400, f"{at} is a tool_result block in an assistant message; tool results come from the user",
                            param=f"{at}.type")
-    return {"role": "assistant", "content": "\n".join(texts), **({"tool_calls": calls} if calls else {})}
+    message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+    if calls:
+        message["tool_calls"] = calls
+    if thoughts:
+        message["reasoning_content"] = "\n".join(thoughts)
+    return message
 
 
 def _string(block: dict[str, Any], key: str, where: str) -> str:

@@ -16,14 +16,18 @@ _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "develop
 _MESSAGE_KEYS = frozenset({"type", "role", "content", "id", "status", "phase"})
 _CALL_KEYS = frozenset({"type", "call_id", "name", "arguments", "id", "status"})
 _OUTPUT_KEYS = frozenset({"type", "call_id", "output", "id", "status"})
+_REASONING_KEYS = frozenset({"type", "id", "summary", "content", "encrypted_content", "status"})
 _TEXT_PARTS = {"input_text": frozenset({"type", "text"}), "output_text": frozenset({"type", "text", "annotations", "logprobs"}),
-               "refusal": frozenset({"type", "refusal"})}
+               "refusal": frozenset({"type", "refusal"}), "reasoning_text": frozenset({"type", "text"}),
+               "summary_text": frozenset({"type", "text"})}
 _TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
 
 
 def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
     """``input`` as chat messages: a string is one user message; items are read in order, and
-    ``function_call`` items join the assistant message before them (one assistant turn with its calls)."""
+    ``function_call`` items join the assistant message before them (one assistant turn with its calls),
+    as does an assistant message after a ``reasoning`` item (whose text is the turn's ``reasoning_content``,
+    which the template shows or leaves out, as it does in chat)."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     out: list[dict[str, Any]] = []
@@ -33,7 +37,13 @@ def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
             raise APIError(400, f"{where} is a {type(item).__name__}; an input item is an object", param=where)
         kind = item.get("type") or "message"
         if kind == "message":
-            out.append(_message(item, where))
+            message = _message(item, where)
+            if message["role"] == "assistant" and out and out[-1].get("reasoning_content") is not None and not out[-1]["content"]:
+                out[-1]["content"] = message["content"]
+            else:
+                out.append(message)
+        elif kind == "reasoning":
+            out.append({"role": "assistant", "content": "", "reasoning_content": _reasoning(item, where)})
         elif kind == "function_call":
             _add_call(out, item, where)
         elif kind == "function_call_output":
@@ -41,7 +51,7 @@ def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
             out.append({"role": "tool", "tool_call_id": _text_field(item, "call_id", where),
                         "content": _text(item.get("output"), f"{where}.output")})
         else:
-            raise APIError(400, f"{where} is a {kind!r} item; lmdock serve takes message, function_call and "
+            raise APIError(400, f"{where} is a {kind!r} item; lmdock serve takes message, reasoning, function_call and "
                                 "function_call_output items", param=f"{where}.type")
     return out
 
@@ -52,6 +62,16 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     if role is None:
         raise APIError(400, f"{where}.role is {item.get('role')!r}; one of {', '.join(_ROLES)}", param=f"{where}.role")
     return {"role": role, "content": _text(item.get("content"), f"{where}.content")}
+
+
+def _reasoning(item: dict[str, Any], where: str) -> str:
+    refuse_keys(item, _REASONING_KEYS, where)
+    if item.get("encrypted_content") is not None:
+        raise APIError(400, f"{where}.encrypted_content: lmdock cannot read another server's encrypted reasoning; "
+                            "leave the item out", param=f"{where}.encrypted_content")
+    if item.get("content"):
+        return _text(item["content"], f"{where}.content")
+    return _text(item.get("summary") or [], f"{where}.summary")
 
 
 def _add_call(out: list[dict[str, Any]], item: dict[str, Any], where: str) -> None:

@@ -3,11 +3,12 @@
 ``{"type": "error", "error": {"type", "message"}}``.
 
 A request becomes a chat request (``_messages_blocks``); the chat completion becomes content blocks
-(``text``, ``tool_use`` with its ``input`` parsed) and a ``stop_reason`` (``end_turn``,
-``max_tokens``, ``stop_sequence`` with the ``stop_sequence`` matched, ``tool_use``); streamed, its
-chunks become Anthropic's events: ``message_start``, ``ping``, per block ``content_block_start``,
-``content_block_delta`` (``text_delta`` / ``input_json_delta``) and ``content_block_stop``, then
-``message_delta`` (stop reason, usage) and ``message_stop``.
+(``thinking`` from a reasoning model, ``text``, ``tool_use`` with its ``input`` parsed) and a
+``stop_reason`` (``end_turn``, ``max_tokens``, ``stop_sequence`` with the ``stop_sequence`` matched,
+``tool_use``); streamed, its chunks become Anthropic's events: ``message_start``, ``ping``, per block
+``content_block_start``, ``content_block_delta`` (``thinking_delta`` / ``text_delta`` /
+``input_json_delta``) and ``content_block_stop``, then ``message_delta`` (stop reason, usage) and
+``message_stop``.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from lmdock._errors import LmdockError
 from lmdock.server._chat_bridge import StrictBody, start_chat, typed_sse
-from lmdock.server._errors import as_api_error
+from lmdock.server._errors import APIError, as_api_error
 from lmdock.server._messages_blocks import chat_messages, chat_tool_choice, chat_tools
 from lmdock.server._state import state_of
 from lmdock.server._templates import render_bounded
@@ -76,8 +77,18 @@ class Metadata(StrictBody):
 
 
 class Thinking(StrictBody):
-    type: Literal["disabled"]  # extended thinking needs a reasoning model and parser: refused unless disabled
-    budget_tokens: None = None
+    type: str
+    budget_tokens: int | None = None
+
+    @model_validator(mode="after")
+    def _disabled_only(self) -> Thinking:
+        """``disabled`` turns a reasoning model's thinking off (``enable_thinking: false`` to its template);
+        ``enabled`` asks for a budget of thinking tokens, which lmdock cannot hold a model to."""
+        if self.type != "disabled":
+            raise APIError(400, f"thinking.type {self.type!r}: lmdock cannot hold a model's thinking to budget_tokens; "
+                                "leave thinking out (a model with a reasoning parser thinks as its template says, and "
+                                "its thinking comes back as thinking blocks) or send {type: disabled}", param="thinking.type")
+        return self
 
 
 class _Conversation(StrictBody):
@@ -91,6 +102,8 @@ class _Conversation(StrictBody):
     def chat(self) -> dict[str, Any]:
         """The conversation, tools and tool choice as a chat request's fields."""
         chat: dict[str, Any] = {"model": self.model, "messages": chat_messages(self.system, self.messages)}
+        if self.thinking is not None:  # disabled: the one kind Thinking lets through
+            chat["chat_template_kwargs"] = {"enable_thinking": False}
         if self.tools or self.tool_choice is not None:
             choice, parallel = chat_tool_choice(self.tool_choice) if self.tool_choice is not None else (None, None)
             chat.update(tools=chat_tools(self.tools or []) or None, tool_choice=choice, parallel_tool_calls=parallel)
@@ -187,7 +200,8 @@ class _Reply:
     def whole(self, completion: dict[str, Any]) -> dict[str, Any]:
         choice = completion["choices"][0]
         message = choice["message"]
-        content = [{"type": "text", "text": message["content"]}] if message.get("content") else []
+        content = [{"type": "thinking", "thinking": message["reasoning_content"], "signature": ""}] if message.get("reasoning_content") else []
+        content += [{"type": "text", "text": message["content"]}] if message.get("content") else []
         content += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"], "input": _input(c["function"]["arguments"])}
                     for c in message.get("tool_calls") or ()]
         return self.message(content, _stop(choice, self.body.stop_sequences), _usage(completion.get("usage")))
@@ -214,7 +228,7 @@ class _Reply:
 
 
 class _Blocks:
-    """The streamed content blocks: the one open now (text, or a call by chat's index) and the next index."""
+    """The streamed content blocks: the one open now (thinking, text, or a call by chat's index) and its index."""
 
     def __init__(self) -> None:
         self.index = -1
@@ -222,6 +236,11 @@ class _Blocks:
 
     def delta(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
+        if delta.get("reasoning_content"):
+            if self.open != ("thinking", None):
+                out += self._start(("thinking", None), {"type": "thinking", "thinking": "", "signature": ""})
+            out.append({"type": "content_block_delta", "index": self.index,
+                        "delta": {"type": "thinking_delta", "thinking": delta["reasoning_content"]}})
         if delta.get("content"):
             if self.open != ("text", None):
                 out += self._start(("text", None), {"type": "text", "text": ""})

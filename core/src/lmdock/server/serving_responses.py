@@ -2,17 +2,15 @@
 /v1/responses/{id}`` over the server's bounded store of recent responses.
 
 A request becomes a chat request (``_responses_items``): ``instructions`` a system message, then the
-conversation ``previous_response_id`` ends (from the store), then ``input``.  The chat completion
-becomes output items, a ``message`` with ``output_text`` and one ``function_call`` per tool call;
-streamed, its chunks become the typed events of OpenAI's sequence (``response.created``,
-``response.in_progress``, then per item ``output_item.added`` ... ``output_item.done``, then
-``response.completed``, or ``response.incomplete`` when ``max_output_tokens`` cut it).
+conversation ``previous_response_id`` ends (from the store), then ``input``.  The chat completion,
+or its chunks, become output items and OpenAI's streamed events (``_responses_output``), between
+``response.created`` / ``response.in_progress`` and ``response.completed``, or
+``response.incomplete`` when ``max_output_tokens`` cut it.
 """
 
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -24,6 +22,7 @@ from lmdock.server._chat_bridge import StrictBody, start_chat, typed_sse
 from lmdock.server._errors import APIError
 from lmdock.server._response_store import ResponseStore, Stored
 from lmdock.server._responses_items import chat_response_format, chat_tool_choice, chat_tools, input_messages
+from lmdock.server._responses_output import EventSequence, assistant, new_id, output_items
 from lmdock.server._state import state_of
 
 router = APIRouter()
@@ -98,7 +97,7 @@ async def create(body: ResponsesRequest, request: Request) -> Response:
     turn = _Turn(body, name, history, store)
     run = await start_chat(body.chat(history), request, NAMES, body.stream)
     if body.stream:
-        seq = _Sequence()
+        seq = EventSequence()
         return typed_sse(request, run, turn.events(run.chunks(), seq), seq.error)
     return JSONResponse(turn.whole(await run.whole()))
 
@@ -150,26 +149,12 @@ def _usage(chat_usage: dict[str, int] | None) -> dict[str, Any] | None:
             "output_tokens": c, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + c}
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress" else []}
-
-
-def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments, "status": status}
-
-
-def _assistant(text: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
-    """The assistant's turn as a chat message, for the store."""
-    return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
-
-
 class _Turn:
     """One response: its id, its object (whole or as events), and its place in the store."""
 
     def __init__(self, body: ResponsesRequest, model: str, history: tuple[dict[str, Any], ...], store: ResponseStore) -> None:
         self.body, self.model, self.history, self.store = body, model, history, store
-        self.id = f"resp_{uuid.uuid4().hex}"
+        self.id = new_id("resp")
         self.created = int(time.time())
 
     def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
@@ -184,25 +169,21 @@ class _Turn:
                 "tool_choice": b.tool_choice if b.tool_choice is not None else "auto", "tools": b.tools or [],
                 "truncation": "disabled", "usage": _usage(usage), "user": b.user, "metadata": b.metadata or {}}
 
-    def finish(self, status: str, output: list[dict[str, Any]], usage: dict[str, int] | None, text: str,
-               calls: list[dict[str, Any]]) -> dict[str, Any]:
-        """The finished response, kept in the store unless the request said ``store: false``."""
+    def finish(self, status: str, output: list[dict[str, Any]], usage: dict[str, int] | None,
+               message: dict[str, Any]) -> dict[str, Any]:
+        """The finished response, kept with its conversation (chat's assistant ``message`` last)
+        unless the request said ``store: false``."""
         final = self.response(status, output, usage)
         if self.body.store:
-            self.store.put(self.id, Stored(final, (*self.history, _assistant(text, calls))))
+            self.store.put(self.id, Stored(final, (*self.history, assistant(message))))
         return final
 
     def whole(self, completion: dict[str, Any]) -> dict[str, Any]:
         choice = completion["choices"][0]
-        message = choice["message"]
         status = "incomplete" if choice["finish_reason"] == "length" else "completed"
-        text, calls = message.get("content") or "", message.get("tool_calls") or []
-        output = [_message_item(f"msg_{uuid.uuid4().hex}", text, status)] if text or not calls else []
-        output += [_call_item(f"fc_{uuid.uuid4().hex}", c["id"], c["function"]["name"], c["function"]["arguments"], "completed")
-                   for c in calls]
-        return self.finish(status, output, completion.get("usage"), text, calls)
+        return self.finish(status, output_items(choice["message"], status), completion.get("usage"), choice["message"])
 
-    async def events(self, chunks: AsyncIterator[dict[str, Any]], seq: _Sequence) -> AsyncIterator[dict[str, Any]]:
+    async def events(self, chunks: AsyncIterator[dict[str, Any]], seq: EventSequence) -> AsyncIterator[dict[str, Any]]:
         """The chat chunks as the Responses API's event sequence (numbered by ``seq``)."""
         yield seq.event("response.created", response=self.response("in_progress", [], None))
         yield seq.event("response.in_progress", response=self.response("in_progress", [], None))
@@ -211,99 +192,5 @@ class _Turn:
                 yield event
         for event in seq.end():
             yield event
-        status = "incomplete" if seq.finish == "length" else "completed"
-        final = self.finish(status, seq.output, seq.usage, seq.text, seq.calls)
-        yield seq.event(f"response.{status}", response=final)
-
-
-class _Sequence:
-    """The streamed events' state: the sequence number, the item open now, the items done."""
-
-    def __init__(self) -> None:
-        self.number = 0
-        self.output: list[dict[str, Any]] = []
-        self.open: dict[str, Any] | None = None  # the item being written: {"kind", "id", "index", "text", ...}
-        self.text = ""  # all output text, and the calls, for the store
-        self.calls: list[dict[str, Any]] = []
-        self.finish: str | None = None
-        self.usage: dict[str, int] | None = None
-
-    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        self.number += 1
-        return {"type": kind, "sequence_number": self.number - 1, **fields}
-
-    def error(self, err: dict[str, Any]) -> dict[str, Any]:
-        """A failure after the start (OpenAI's error body) as the ``error`` event."""
-        return self.event("error", code=err.get("code"), message=err.get("message"), param=err.get("param"))
-
-    def chunk(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
-        out: list[dict[str, Any]] = []
-        for choice in chunk.get("choices", ()):
-            delta = choice.get("delta", {})
-            if delta.get("content"):
-                out += self._text(delta["content"])
-            for call in delta.get("tool_calls") or ():
-                out += self._call(call)
-            self.finish = choice.get("finish_reason") or self.finish
-        return out
-
-    def _text(self, text: str) -> list[dict[str, Any]]:
-        out = []
-        if self.open is None or self.open["kind"] != "message":
-            out = self.close("completed")
-            out += self._start_message()
-        self.open["text"] += text  # type: ignore[index]
-        self.text += text
-        out.append(self.event("response.output_text.delta", item_id=self.open["id"], output_index=self.open["index"],  # type: ignore[index]
-                              content_index=0, delta=text, logprobs=[]))
-        return out
-
-    def _start_message(self) -> list[dict[str, Any]]:
-        self.open = {"kind": "message", "id": f"msg_{uuid.uuid4().hex}", "index": len(self.output), "text": ""}
-        where = {"item_id": self.open["id"], "output_index": self.open["index"]}
-        return [self.event("response.output_item.added", output_index=self.open["index"],
-                           item=_message_item(self.open["id"], "", "in_progress")),
-                self.event("response.content_part.added", **where, content_index=0,
-                           part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
-
-    def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
-        out = []
-        fn = call.get("function") or {}
-        if self.open is None or self.open["kind"] != "function_call" or self.open["call_index"] != call.get("index"):
-            out = self.close("completed")
-            self.open = {"kind": "function_call", "id": f"fc_{uuid.uuid4().hex}", "index": len(self.output), "text": "",
-                         "call_index": call.get("index"), "call_id": call.get("id") or "", "name": fn.get("name") or ""}
-            out.append(self.event("response.output_item.added", output_index=self.open["index"],
-                                  item=_call_item(self.open["id"], self.open["call_id"], self.open["name"], "", "in_progress")))
-        if fn.get("arguments"):
-            self.open["text"] += fn["arguments"]
-            out.append(self.event("response.function_call_arguments.delta", item_id=self.open["id"],
-                                  output_index=self.open["index"], delta=fn["arguments"]))
-        return out
-
-    def end(self) -> list[dict[str, Any]]:
-        """The events that finish the last item (an empty message when nothing at all was written)."""
-        out = self._start_message() if self.open is None and not self.output else []
-        return out + self.close("incomplete" if self.finish == "length" else "completed")
-
-    def close(self, status: str) -> list[dict[str, Any]]:
-        """The events that finish the open item, if any."""
-        item = self.open
-        if item is None:
-            return []
-        self.open = None
-        where = {"item_id": item["id"], "output_index": item["index"]}
-        if item["kind"] == "message":
-            done = _message_item(item["id"], item["text"], status)
-            part = done["content"][0]
-            out = [self.event("response.output_text.done", **where, content_index=0, text=item["text"], logprobs=[]),
-                   self.event("response.content_part.done", **where, content_index=0, part=part)]
-        else:
-            done = _call_item(item["id"], item["call_id"], item["name"], item["text"], status)
-            self.calls.append({"id": item["call_id"], "type": "function",
-                               "function": {"name": item["name"], "arguments": item["text"]}})
-            out = [self.event("response.function_call_arguments.done", **where, name=item["name"], arguments=item["text"])]
-        self.output.append(done)
-        return [*out, self.event("response.output_item.done", output_index=item["index"], item=done)]
+        final = self.finish(seq.status, seq.output, seq.usage, seq.message)
+        yield seq.event(f"response.{seq.status}", response=final)
