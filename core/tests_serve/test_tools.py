@@ -20,9 +20,9 @@ import pytest
 from serve_helpers import Server
 
 TEMPLATE = (
-    "{{ bos_token }}{% if tools %}Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}. Call one as "
+    "{{ bos_token }}{% if tools is defined and tools %}Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}. Call one as "
     "<tool_call>.\n{% endif %}{% for m in messages %}{% if m.role == 'tool' %}Result {{ m.tool_call_id }}: {{ m.content }}\n"
-    "{% elif m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function.name }} {{ c.function.arguments.city }}"
+    "{% elif m.tool_calls is defined and m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function.name }} {{ c.function.arguments.city }}"
     "</tool_call>{% endfor %}\n{% else %}{{ m.content }}\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt and enable_thinking is defined and enable_thinking %}<think>\n{% endif %}"
 )

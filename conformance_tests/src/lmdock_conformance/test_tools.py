@@ -17,9 +17,9 @@ from lmdock import RequestError
 pytestmark = pytest.mark.requires("tools")
 
 TEMPLATE = (
-    "{{ bos_token }}{% if tools %}Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}. Call one as "
+    "{{ bos_token }}{% if tools is defined and tools %}Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}. Call one as "
     "<tool_call>.\n{% endif %}{% for m in messages %}{% if m.role == 'tool' %}Result: {{ m.content }}\n"
-    "{% elif m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function.name }}</tool_call>{% endfor %}\n"
+    "{% elif m.tool_calls is defined and m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function.name }}</tool_call>{% endfor %}\n"
     "{% else %}{{ m.content }}\n{% endif %}{% endfor %}"
 )
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
