@@ -298,3 +298,12 @@ def test_the_guides_plugin_example_registers_a_parser() -> None:
     finally:
         registry.pm.unregister(plugin)
         _registry.reset()
+
+
+def test_auto_grammar_leaves_thinking_and_text_free() -> None:
+    plan = _plan(tools=STRICT, tool_choice="auto", reasoning_parser="think")
+    plan.after_render("<think>\n")
+    grammar = plan.constraint((True, ""), None, "hf")["grammar"]  # type: ignore[index]
+    assert _accepts(grammar, "Hmm.</think>\nIt is sunny.")
+    assert _accepts(grammar, "Hmm.</think>\n" + CALLS["hermes"][0])
+    assert not _accepts(grammar, "Hmm.</think>\n" + CALLS["hermes"][1])

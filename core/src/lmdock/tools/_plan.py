@@ -137,11 +137,11 @@ class ChatPlan:
     def constraint(self, can_constrain: tuple[bool, str], other: Any, backend: str) -> dict[str, Any] | None:
         """The ``structured_output`` that keeps calls valid (None: none needed or possible under auto).
 
-        ``can_constrain``: the backend's ``structured_output`` capability; ``other``: a structured
-        output the request already asks for (response_format), which cannot be combined with a forced call."""
-        if not self.reads_calls:
+        ``can_constrain``: the backend's ``tools`` capability; ``other``: a structured output the
+        request already asks for (response_format), which cannot be combined with a forced call."""
+        parser = self.parser
+        if parser is None or not self.reads_calls:
             return None
-        assert self.parser is not None
         forced = self.choice != "auto"
         if not forced and (other is not None or not can_constrain[0]):
             return None  # auto: read only
@@ -151,13 +151,14 @@ class ChatPlan:
             raise RequestError(f"tool_choice {self.choice!r}: backend {backend!r} cannot constrain its output "
                                f"({can_constrain[1]}), so a call could not be guaranteed; send tool_choice: \"auto\"")
         tools = self.tools if self.choice in ("auto", "required") else [t for t in self.tools if t["function"]["name"] == self.choice]
-        grammar = self.parser.grammar(tools, self.parallel and self.choice in ("auto", "required"), lazy=not forced)
+        grammar = parser.grammar(tools, self.parallel and self.choice in ("auto", "required"), lazy=not forced)
         if grammar is None:
             if forced:
-                raise RequestError(f"tool_choice {self.choice!r}: the {self.parser.name!r} call format has no grammar "
+                raise RequestError(f"tool_choice {self.choice!r}: the {parser.name!r} call format has no grammar "
                                    "for these tools, so a call could not be guaranteed; send tool_choice: \"auto\"")
             return None
-        return {"grammar": self._with_thinking(grammar)}
+        # under auto the text before a call is free, thinking included; a forced call comes after it
+        return {"grammar": self._with_thinking(grammar) if forced else grammar}
 
     def _with_thinking(self, grammar: str) -> str:
         """``grammar`` after the thinking span the reasoning parser reads (the model thinks first)."""
@@ -175,8 +176,7 @@ class ChatPlan:
             split = self.reasoning.split(text, self.opened)
             reasoning, content = split.reasoning, split.content
         calls: list[ToolCall] = []
-        if self.reads_calls:
-            assert self.parser is not None
+        if self.reads_calls and self.parser is not None:
             parsed = self.parser.parse(content)
             content, calls = parsed.content, parsed.calls  # type: ignore[assignment]
         return Reading(content, reasoning, calls)
