@@ -212,3 +212,33 @@ def test_a_reasoning_model_answers_with_a_thinking_block(served: Server) -> None
     again = c.messages.create(model="thinker", max_tokens=2, messages=turn)  # type: ignore[arg-type]
     history = [*ASK, {"role": "assistant", "content": "Hi.", "reasoning_content": block.thinking}, {"role": "user", "content": "Then"}]  # type: ignore[union-attr]
     assert again.usage.input_tokens == ref_tokens(served, history)
+
+
+def test_an_error_after_the_start_is_each_apis_error_event() -> None:
+    # No real backend fails on cue mid-stream: this feeds the SSE re-encoder the lines the chat
+    # route's stream writes (an event, then an error body after a failure, then [DONE]).
+    import asyncio
+
+    from lmdock.server._chat_bridge import _named
+    from lmdock.server._responses_output import EventSequence
+    from lmdock.server._streaming import DONE, sse
+    from lmdock.server.serving_messages import _error_event
+
+    async def lines() -> object:
+        for line in (sse({"type": "ping"}), sse({"error": {"message": "engine died", "type": "server_error", "param": None,
+                                                           "code": "503"}}), DONE):
+            yield line
+
+    async def encoded(error_event: object) -> list[str]:
+        return [x async for x in _named(lines(), error_event)]  # type: ignore[arg-type]
+
+    ping, error = asyncio.run(encoded(_error_event))
+    assert ping == 'event: ping\ndata: {"type":"ping"}\n\n'
+    assert error == 'event: error\ndata: {"type":"error","error":{"type":"overloaded_error","message":"engine died"}}\n\n'
+    seq = EventSequence()
+    seq.number = 7
+    _, error = asyncio.run(encoded(seq.error))
+    head, data = error.split("\n", 1)
+    assert head == "event: error"
+    assert json.loads(data.removeprefix("data: ")) == {"type": "error", "sequence_number": 7, "code": "503",
+                                                       "message": "engine died", "param": None}

@@ -165,6 +165,7 @@ def test_what_it_cannot_honour_is_a_400_naming_it(served: Server) -> None:
         ({"input": "x", "truncation": "auto"}, "truncation", "disabled"),
         ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", "no extra output"),
         ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning.effort", "reasoning_parser"),
+        ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16"),
     ]
     for kw, param, words in cases:
         with pytest.raises(openai.BadRequestError) as e:
@@ -177,6 +178,10 @@ def test_errors_have_openais_shape(served: Server) -> None:
     r = httpx.post(f"{served.url}/v1/responses", json={"model": "nope", "input": "x"})
     assert r.status_code == 404
     assert r.json()["error"]["type"] == "not_found_error" and "stories" in r.json()["error"]["message"]
+    # metadata comes back in the response: a lone surrogate in it is a 400 before any work, not a 500 after
+    r = httpx.post(f"{served.url}/v1/responses", content=b'{"input": "x", "metadata": {"k": "\\ud800"}}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "metadata" and "surrogate" in r.json()["error"]["message"]
 
 
 def _valid_call(item: object) -> dict[str, object]:

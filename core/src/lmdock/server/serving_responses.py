@@ -70,10 +70,26 @@ class ResponsesRequest(StrictBody):
                 raise APIError(400, f"reasoning.{key}: the served models take no reasoning settings (a model's reasoning "
                                     "parser is set per model in the config: [models.NAME] reasoning_parser)",
                                param=f"reasoning.{key}")
+        self._check_metadata()
         if self.text is not None and self.text.verbosity is not None:
             raise APIError(400, "text.verbosity: the served models take no verbosity setting; ask in the instructions",
                            param="text.verbosity")
         return self
+
+    def _check_metadata(self) -> None:
+        """OpenAI's bounds on ``metadata`` (it comes back in the response and the store keeps it), and
+        text only: the chat path checks every other text, this one it never sees."""
+        metadata = self.metadata or {}
+        if len(metadata) > 16:
+            raise APIError(400, f"metadata has {len(metadata)} keys; at most 16", param="metadata")
+        for key, value in metadata.items():
+            if len(key) > 64 or len(value) > 512:
+                raise APIError(400, f"metadata.{key}: keys are at most 64 characters, values 512", param=f"metadata.{key}")
+            try:
+                (key + value).encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(400, "metadata holds a lone UTF-16 surrogate (such as \\ud800), which is not text: "
+                                    "send valid Unicode", param="metadata") from None
 
     def chat(self, history: tuple[dict[str, Any], ...]) -> dict[str, Any]:
         """This request as a chat request over ``history`` (the conversation so far, this input included)."""
