@@ -128,6 +128,21 @@ def test_streamed_and_whole_agree(agent: Server) -> None:
     assert [(w.function.name, w.function.arguments) for w in whole] == [tuple(streamed[i]) for i in sorted(streamed)]
 
 
+def test_each_of_n_choices_streams_its_own_calls(agent: Server) -> None:
+    chunks = list(client(agent).chat.completions.create(model="stories", messages=ASK, tools=TOOLS, tool_choice="required", n=2,
+                                                        temperature=1.0, seed=3, max_tokens=200, parallel_tool_calls=False, stream=True))
+    calls: dict[int, list[str]] = {}
+    for ch in chunks:
+        for c in ch.choices:
+            for d in c.delta.tool_calls or []:
+                if d.id is not None:
+                    calls[c.index] = [d.function.name, ""]
+                calls[c.index][1] += d.function.arguments or ""
+    assert sorted(calls) == [0, 1]
+    for name, arguments in calls.values():
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
 def test_auto_lets_the_model_write_text(agent: Server) -> None:
     c = client(agent)
     auto = c.chat.completions.create(model="stories", messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=30)

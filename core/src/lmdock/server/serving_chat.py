@@ -59,8 +59,7 @@ async def start_chat(body: ChatRequest, request: Request) -> ChatRun:
         raise _tool_error(exc, st.retry_after, sm) from None
     admission, streams, firsts = await submit_admitted(request, st, sm, [prompt], params, add_special_tokens=False,
                                                        max_tokens_field=body.max_tokens_field())
-    run = ChatRun(body, request, sm, plan, admission, streams, firsts, st.retry_after)
-    return run
+    return ChatRun(body, request, sm, plan, admission, streams, firsts, st.retry_after, params.n)
 
 
 def _plan(sm: ServedModel, body: ChatRequest, retry: int) -> Any:
@@ -110,10 +109,10 @@ class ChatRun:
     the engine request."""
 
     def __init__(self, body: ChatRequest, request: Request, sm: ServedModel, plan: Any, admission: Admission,
-                 streams: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput | None], retry: int) -> None:
+                 streams: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput | None], retry: int, n: int) -> None:
         self.body, self.request, self.plan, self.admission, self.retry = body, request, plan, admission, retry
         self.streams, self.firsts = streams, firsts
-        self.model, self.tok, self.n = sm.name, sm.llm.tokenizer, max(body.n, 1)
+        self.model, self.tok, self.n = sm.name, sm.llm.tokenizer, n  # the params' n: a config default counts too
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         # the rendered prompt's tokens: what the first token's text follows
         self.prompt_ids: list[int] = list(firsts[0].prompt_token_ids) if firsts and firsts[0] is not None else []
