@@ -206,6 +206,9 @@ def test_a_reasoning_model_answers_with_a_thinking_block(served: Server) -> None
         assert "".join(deltas) == stream.get_final_message().content[0].thinking == block.thinking  # type: ignore[union-attr]
     off = c.messages.create(model="thinker", max_tokens=20, messages=ASK, thinking={"type": "disabled"})  # type: ignore[arg-type]
     assert [b.type for b in off.content] == ["text"]
+    # the prompt without the opened <think>: shorter, and count_tokens renders it the same way
+    counted = c.messages.count_tokens(model="thinker", messages=ASK, thinking={"type": "disabled"})  # type: ignore[arg-type]
+    assert counted.input_tokens == off.usage.input_tokens < m.usage.input_tokens
     # a thinking block in the history goes back to the template as the turn's reasoning_content
     turn = [*ASK, {"role": "assistant", "content": [block.model_dump(), {"type": "text", "text": "Hi."}]},
             {"role": "user", "content": "Then"}]

@@ -144,10 +144,11 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, 
     st = state_of(request)
     sm = st.model(body.model)
     chat = body.chat()
+    kwargs = chat.get("chat_template_kwargs")
     try:
-        plan = sm.llm.chat_plan(chat.get("tools"), chat.get("tool_choice"), chat.get("parallel_tool_calls"), sm.chat_template)
-        text = await render_bounded(lambda: sm.llm.render_chat(chat["messages"], sm.chat_template, True, tools=plan.template_tools),
-                                    st.settings)
+        plan = sm.llm.chat_plan(chat.get("tools"), chat.get("tool_choice"), chat.get("parallel_tool_calls"), sm.chat_template, kwargs)
+        text = await render_bounded(lambda: sm.llm.render_chat(chat["messages"], sm.chat_template, True, False, kwargs,
+                                                               tools=plan.template_tools), st.settings)
         return {"input_tokens": len(sm.llm.tokenizer.encode(text, add_special_tokens=False))}
     except LmdockError as exc:
         raise as_api_error(exc, st.retry_after, sm.hide) from None
