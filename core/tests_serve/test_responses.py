@@ -162,6 +162,7 @@ def test_what_it_cannot_honour_is_a_400_naming_it(served: Server) -> None:
         ({"input": [{"role": "user", "content": "x", "colour": 1}]}, "input.0.colour", "colour"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type", "function tools only"),
         ({"input": "x", "max_output_tokens": 5000}, "max_output_tokens", "at most"),
+        ({"input": []}, "input", "empty"),
         ({"input": "x", "truncation": "auto"}, "truncation", "disabled"),
         ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", "no extra output"),
         ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning.effort", "reasoning_parser"),

@@ -93,7 +93,7 @@ class Thinking(StrictBody):
 
 class _Conversation(StrictBody):
     model: str | None = None
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]] = Field(min_length=1)
     system: str | list[Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
@@ -104,6 +104,8 @@ class _Conversation(StrictBody):
         chat: dict[str, Any] = {"model": self.model, "messages": chat_messages(self.system, self.messages)}
         if self.thinking is not None:  # disabled: the one kind Thinking lets through
             chat["chat_template_kwargs"] = {"enable_thinking": False}
+        if self.tool_choice is not None and self.tool_choice.get("type") != "none" and not self.tools:
+            raise APIError(400, f"tool_choice {self.tool_choice.get('type')!r} needs tools", param="tool_choice")
         if self.tools or self.tool_choice is not None:
             choice, parallel = chat_tool_choice(self.tool_choice) if self.tool_choice is not None else (None, None)
             chat.update(tools=chat_tools(self.tools or []) or None, tool_choice=choice, parallel_tool_calls=parallel)

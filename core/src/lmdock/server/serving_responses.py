@@ -110,6 +110,8 @@ async def create(body: ResponsesRequest, request: Request) -> Response:
     name = st.model(body.model).name
     store = _store(request)
     history = (*_previous(store, body.previous_response_id), *input_messages(body.input))
+    if not history:
+        raise APIError(400, "input is empty: give a string or at least one item", param="input")
     turn = _Turn(body, name, history, store)
     run = await start_chat(body.chat(history), request, NAMES, body.stream)
     if body.stream:
