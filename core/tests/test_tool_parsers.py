@@ -21,6 +21,9 @@ RECORDED = [
     ("hermes", 'Let me check both cities.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
                '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n</tool_call>',
      "Let me check both cities.", [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Lyon"}')]),
+    # text after the calls stays content too (Qwen 2.5 under auto, unconstrained)
+    ("hermes", 'Checking.\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\nI will wait for <the> result.',
+     "Checking.\n\nI will wait for <the> result.", [("get_time", "{}")]),
     # empty arguments (vLLM #32436 crashed on these), and arguments left out entirely
     ("hermes", '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', None, [("get_time", "{}")]),
     ("hermes", '<tool_call>\n{"name": "get_time"}\n</tool_call>', None, [("get_time", "{}")]),
@@ -292,7 +295,7 @@ def test_the_guides_plugin_example_registers_a_parser() -> None:
     _registry.reset()
     try:
         parsed = get_parser("arrows").parse('Sure >>>get_time\n{"tz": "UTC"}')
-        assert parsed.content == "Sure " and [(c.name, c.arguments) for c in parsed.calls] == [("get_time", '{"tz": "UTC"}')]
+        assert parsed.content == "Sure" and [(c.name, c.arguments) for c in parsed.calls] == [("get_time", '{"tz": "UTC"}')]
         assert get_parser("arrows").parse(">>>get_time\n{nope").calls == []
         assert "arrows" in tools.parser_names()
     finally:

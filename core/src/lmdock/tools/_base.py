@@ -97,7 +97,7 @@ class ToolParser:
         if scan.error is not None or not scan.calls:
             return Parsed(text, [])
         calls = [ToolCall(c.name or "", c.arguments or "{}") for c in scan.calls]
-        return Parsed(scan.content if scan.content.strip() else None, calls)
+        return Parsed(scan.content.strip() or None, calls)  # the newlines around the blocks are not content
 
     def stream(self) -> ToolStream:
         """A new incremental parse of one completion (with its own copy of this parser and memo)."""

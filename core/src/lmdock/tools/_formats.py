@@ -54,7 +54,7 @@ class HermesParser(ToolParser):
             return Scan(text[:keep], [])
         calls: list[PartialCall] = []
         error = None
-        pos = first
+        content, pos = text[:first], first
         while pos >= 0:
             body = _skip_ws(text, pos + len(self.marker))
             if body >= len(text):
@@ -68,12 +68,26 @@ class HermesParser(ToolParser):
             if end is None:
                 break
             error = error or why
-            pos = text.find(self.marker, end)
+            pos, after = self._next(text, end)
+            content += self._between(text, after, pos, final)  # text outside the blocks stays content
         if final:
             calls, error = _closed_calls(calls, error)
             if error is not None:
                 return Scan(text, calls, error)
-        return Scan(text[:first].rstrip() if calls else text[:first], calls, error)
+        return Scan(content, calls, error)
+
+    def _next(self, text: str, end: int) -> tuple[int, int]:
+        """After a call's JSON ending at ``end``: where the next block opens (-1: none yet) and where
+        the text between starts (past ``</tool_call>``; the end of the text while it is unclosed)."""
+        close = text.find(self.close, end)
+        after = close + len(self.close) if close >= 0 else len(text)
+        return text.find(self.marker, after), after
+
+    def _between(self, text: str, start: int, stop: int, final: bool) -> str:
+        """The content between two blocks, or after the last (held back where a marker may be starting)."""
+        if stop >= 0:
+            return text[start:stop]
+        return text[start:] if final else text[start:len(text) - held_back(text[start:], self.marker)]
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool, lazy: bool) -> str | None:
         more = ' ("\\n" call)*' if parallel else ""
