@@ -39,6 +39,7 @@ RECORDED = [
     ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]', None,
      [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]),
     ("mistral", 'Sure. [TOOL_CALLS][{"name": "get_time", "arguments": {}}]', "Sure.", [("get_time", "{}")]),
+    ("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {}}] Then I [will] answer.', "Then I [will] answer.", [("get_time", "{}")]),
     # Llama 3.2 / 4 pythonic
     ("pythonic", '[get_weather(city="San Francisco", metric="celsius"), get_time()]', None,
      [("get_weather", WEATHER), ("get_time", "{}")]),

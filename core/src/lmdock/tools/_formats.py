@@ -141,7 +141,7 @@ class MistralParser(ToolParser):
         if text[start] != "[":
             return Scan(text, [], "[TOOL_CALLS] must be followed by a JSON list")
         scan = _json_list(text, _skip_ws(text, start + 1), ",", ("arguments",), final, closer="]", memo=self.memo)
-        return Scan(text[:first].rstrip() if scan.error is None or not final else text, scan.calls, scan.error)
+        return Scan(text[:first] + scan.content if scan.error is None or not final else text, scan.calls, scan.error)
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool, lazy: bool) -> str | None:
         calls = 'call (", " call)*' if parallel else "call"
@@ -188,7 +188,8 @@ def _json_list(text: str, pos: int, sep: str, args_keys: tuple[str, ...], final:
     while pos < len(text):
         if text[pos] != "{":
             if closer and text[pos] == closer and calls:
-                break
+                tail = text[pos + 1:]  # text after the list stays content
+                return Scan(tail if final else tail[:len(tail) - held_back(tail, "[TOOL_CALLS]")], calls, error)
             error = f"expected a JSON object at character {pos}"
             break
         call, end, why = json_call(text, pos, args_keys, memo)
