@@ -198,3 +198,14 @@ def test_langchain_bind_tools_returns_the_call(agent: Server) -> None:
     (call,) = msg.tool_calls
     assert call["name"] == "get_weather"
     jsonschema.validate(call["args"], WEATHER)
+
+
+def test_a_model_without_a_tool_format_refuses_tools(server: Server) -> None:
+    # the session server's template names no call format and its config no tool_parser: calls could
+    # not be read, so tools are refused rather than dropped (issue 30: they were silently ignored)
+    c = client(server)
+    with pytest.raises(openai.BadRequestError, match="no tool_parser") as e:
+        c.chat.completions.create(model="stories", messages=ASK, tools=TOOLS, tool_choice="required")
+    assert e.value.body["param"] == "tools"  # type: ignore[index]
+    r = c.chat.completions.create(model="stories", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=5)
+    assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
