@@ -8,6 +8,7 @@ makes this model call.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from typing import Annotated
@@ -265,17 +266,28 @@ def test_an_openai_agents_sdk_agent_runs_its_tool_to_completion(served: Server) 
         cities.append(city)
         return f"sunny in {city}"
 
-    model = agents.OpenAIResponsesModel(model="stories", openai_client=AsyncOpenAI(base_url=f"{served.url}/v1", api_key="unused",
-                                                                                   max_retries=0))
-    agent = agents.Agent(name="teller", instructions="Tell a story.", tools=[get_weather], model=model,
-                         tool_use_behavior="stop_on_first_tool",
-                         model_settings=agents.ModelSettings(tool_choice="get_weather", parallel_tool_calls=False, max_tokens=200))
-    result = agents.Runner.run_sync(agent, "Once upon a time", max_turns=2)
+    def agent() -> object:  # a client per event loop: the SDK's async client is bound to the loop it first ran on
+        model = agents.OpenAIResponsesModel(model="stories", openai_client=AsyncOpenAI(base_url=f"{served.url}/v1",
+                                                                                       api_key="unused", max_retries=0))
+        return agents.Agent(name="teller", instructions="Tell a story.", tools=[get_weather], model=model,
+                            tool_use_behavior="stop_on_first_tool",
+                            model_settings=agents.ModelSettings(tool_choice="get_weather", parallel_tool_calls=False, max_tokens=200))
+
+    result = agents.Runner.run_sync(agent(), "Once upon a time", max_turns=2)
     (city,) = cities
     assert len(city) <= 10
     assert result.final_output == f"sunny in {city}"
     kinds = [type(item).__name__ for item in result.new_items]
     assert kinds == ["ToolCallItem", "ToolCallOutputItem"]
+
+    async def streamed() -> tuple[object, list[str]]:  # the SDK reading our event stream
+        run = agents.Runner.run_streamed(agent(), "Once upon a time", max_turns=2)
+        kinds = [e.data.type async for e in run.stream_events() if e.type == "raw_response_event"]
+        return run.final_output, kinds
+
+    final, events = asyncio.run(streamed())
+    assert final == result.final_output and events[-1] == "response.completed"
+    assert "response.function_call_arguments.delta" in events
 
 
 def test_a_reasoning_model_answers_with_a_reasoning_item(served: Server) -> None:
