@@ -9,6 +9,7 @@ makes this model call.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import anthropic
@@ -247,3 +248,29 @@ def test_an_error_after_the_start_is_each_apis_error_event() -> None:
     assert head == "event: error"
     assert json.loads(data.removeprefix("data: ")) == {"type": "error", "sequence_number": 7, "code": "503",
                                                        "message": "engine died", "param": None}
+
+
+def test_a_client_gone_mid_stream_aborts_the_request(served: Server) -> None:
+    # a forced call whose argument takes hundreds of tokens keeps the request running (no ignore_eos here)
+    long = {"name": "note", "input_schema": {"type": "object", "properties": {"s": {"type": "string", "minLength": 400}}, "required": ["s"]}}
+    body = {"model": "stories", "max_tokens": 460, "messages": ASK, "stream": True, "tools": [long],
+            "tool_choice": {"type": "tool", "name": "note"}}
+    before = finished_by_length(served)
+    with httpx.Client(timeout=60) as http, http.stream("POST", f"{served.url}/v1/messages", json=body) as r:
+        lines = r.iter_lines()
+        assert next(lines) == "event: message_start"
+        assert served.stats()["num_sequences_held"] > 0
+    deadline = time.monotonic() + 60
+    while (served.stats()["num_sequences_held"] or served.stats()["in_flight"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stats = served.stats()
+    assert stats["num_sequences_held"] == 0 and stats["in_flight"] == 0, stats
+    # aborted, not run to its max tokens: no request finished by length meanwhile
+    assert finished_by_length(served) == before
+
+
+def finished_by_length(server: Server) -> float:
+    """``lmdock:request_success_total`` of requests that ran to their max tokens."""
+    text = httpx.get(f"{server.url}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("lmdock:request_success_total{") and 'finished_reason="length"' in line)

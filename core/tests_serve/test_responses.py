@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from typing import Annotated
 
@@ -312,3 +313,29 @@ def test_a_reasoning_model_answers_with_a_reasoning_item(served: Server) -> None
     items = [{"role": "user", "content": "Once upon a time"}, item.model_dump(exclude_none=True), {"role": "user", "content": "Then"}]
     by_items = c.responses.create(model="thinker", input=items, max_output_tokens=2)  # type: ignore[arg-type]
     assert by_id.usage.input_tokens == by_items.usage.input_tokens
+
+
+def test_a_client_gone_mid_stream_aborts_the_request(served: Server) -> None:
+    # a schema whose string takes hundreds of tokens keeps the request running (this API has no ignore_eos)
+    long = {"type": "object", "properties": {"s": {"type": "string", "minLength": 400}}, "required": ["s"]}
+    body = {"model": "stories", "input": "Once", "max_output_tokens": 480, "stream": True,
+            "text": {"format": {"type": "json_schema", "name": "long", "schema": long}}}
+    before = finished_by_length(served)
+    with httpx.Client(timeout=60) as http, http.stream("POST", f"{served.url}/v1/responses", json=body) as r:
+        lines = r.iter_lines()
+        assert next(lines) == "event: response.created"
+        assert served.stats()["num_sequences_held"] > 0
+    deadline = time.monotonic() + 60
+    while (served.stats()["num_sequences_held"] or served.stats()["in_flight"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stats = served.stats()
+    assert stats["num_sequences_held"] == 0 and stats["in_flight"] == 0, stats
+    # aborted, not run to its max tokens: no request finished by length meanwhile
+    assert finished_by_length(served) == before
+
+
+def finished_by_length(server: Server) -> float:
+    """``lmdock:request_success_total`` of requests that ran to their max tokens."""
+    text = httpx.get(f"{server.url}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("lmdock:request_success_total{") and 'finished_reason="length"' in line)
