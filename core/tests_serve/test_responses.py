@@ -339,3 +339,16 @@ def finished_by_length(server: Server) -> float:
     text = httpx.get(f"{server.url}/metrics").text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("lmdock:request_success_total{") and 'finished_reason="length"' in line)
+
+
+def test_the_store_is_bounded_least_recently_used_first_out() -> None:
+    from lmdock.server._response_store import MAX_STORED, ResponseStore, Stored
+
+    assert MAX_STORED == 1024  # as docs/server.md says
+    store = ResponseStore(limit=2)
+    for name in ("a", "b"):
+        store.put(name, Stored({"id": name}, ()))
+    assert store.get("a") is not None  # "a" used: "b" is now the least recently used
+    store.put("c", Stored({"id": "c"}, ()))
+    assert [k for k in ("a", "b", "c") if store.get(k) is not None] == ["a", "c"]
+    assert store.delete("a") and not store.delete("a")
