@@ -72,8 +72,9 @@ async def start_chat(chat: dict[str, Any], request: Request, names: dict[str, st
 
 
 def renamed(exc: APIError, names: dict[str, str]) -> APIError:
-    """An error from the chat path in the caller's field names (``max_tokens`` for Messages'
-    ``max_tokens``, ``max_output_tokens`` for Responses'): ``names`` maps chat's to the caller's."""
+    """An error from the chat path in the caller's field names (``max_output_tokens`` for chat's
+    ``max_tokens`` on Responses, ``stop_sequences`` for ``stop`` on Messages): ``names`` maps chat's
+    to the caller's."""
     if exc.param is None:
         return exc
     head, _, rest = exc.param.partition(".")
