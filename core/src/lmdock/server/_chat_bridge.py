@@ -81,7 +81,10 @@ def renamed(exc: APIError, names: dict[str, str]) -> APIError:
     if head not in names:
         return exc
     param = names[head] + (f".{rest}" if rest else "")
-    message = exc.message.replace(exc.param, param, 1) if exc.param in exc.message else exc.message.replace(head, names[head], 1)
+    # a message that starts with the field ("max_tokens=600: ...", "stop: ...") names it; other text stays
+    message, after = exc.message, exc.message[len(exc.param):]
+    if message.startswith(exc.param) and after[:1] in (":", "="):
+        message = param + after
     return APIError(exc.status, message, param=param, code=exc.code, headers=exc.headers)
 
 
