@@ -88,6 +88,8 @@ class Thinking(StrictBody):
             raise APIError(400, f"thinking.type {self.type!r}: lmdock cannot hold a model's thinking to budget_tokens; "
                                 "leave thinking out (a model with a reasoning parser thinks as its template says, and "
                                 "its thinking comes back as thinking blocks) or send {type: disabled}", param="thinking.type")
+        if self.budget_tokens is not None:
+            raise APIError(400, "thinking.budget_tokens: disabled thinking has no budget", param="thinking.budget_tokens")
         return self
 
 
