@@ -33,6 +33,7 @@ def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["generate", "--gpu-memory-utilization", "0.9", "x"], "lmdock's is [models.NAME.kv_cache] memory_fraction"),
         (["generate", "--served-model-name", "x", "y"], "--served-model-name: lmdock's is the model's name in the config file"),
         (["embed", "--temp", "0.5", "x"], "--temp: lmdock's is --temperature"),
+        (["serve", "--tool-call-parser", "hermes"], "--tool-call-parser: lmdock's is tool_parser = \"hermes\" under [models.NAME]"),
     ],
 )
 def test_an_unknown_flag_names_the_right_one(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:

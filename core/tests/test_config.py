@@ -67,6 +67,8 @@ def test_hub_ids_are_kept(isolated: Path) -> None:
         ('[models.a]\nmodel = "x"\nfallback = "hf"\n', "models.a.fallback", "expected list"),
         ('[model.a]\nmodel = "x"\n', "model", "unknown key 'model'"),
         ('[models.a]\nmodel = "x"\n[models.a.quantization]\nalgo = "int3"\n', "models.a.quantization.algo", "not allowed"),
+        ('[models.a]\nmodel = "x"\ntool_parser = "hermez"\n', "models.a.tool_parser", "did you mean 'hermes'"),
+        ('[models.a]\nmodel = "x"\nreasoning_parser = "deepseek"\n', "models.a.reasoning_parser", "known: think"),
     ],
 )
 def test_mistakes_name_file_and_key_path(isolated: Path, text: str, key: str, message: str) -> None:
@@ -76,6 +78,12 @@ def test_mistakes_name_file_and_key_path(isolated: Path, text: str, key: str, me
     assert info.value.source == str(path)
     assert info.value.key == key
     assert str(info.value).startswith(f"{path}: {key}: ")
+
+
+def test_parsers_are_named_per_model(isolated: Path) -> None:
+    path = write(isolated, '[models.a]\nmodel = "x"\ntool_parser = "hermes"\nreasoning_parser = "think"\n')
+    entry = load_config(path).model("a")
+    assert (entry.tool_parser, entry.reasoning_parser) == ("hermes", "think")
 
 
 def test_invalid_toml_names_the_file(isolated: Path) -> None:

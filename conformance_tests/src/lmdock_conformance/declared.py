@@ -8,6 +8,7 @@ The embed and score checks load the embedding model named by ``$LMDOCK_EMBED_MOD
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import typing
@@ -79,6 +80,15 @@ def _check_logit_bias(llm: LLM) -> None:
     assert out and plain[0] not in out and all(3 <= t < 200 for t in out)
 
 
+def _check_tools(llm: LLM) -> None:
+    from lmdock_conformance.test_tools import TEMPLATE, TOOLS, WEATHER
+
+    out = llm.chat([{"role": "user", "content": PROMPT}], {"temperature": 0, "max_new_tokens": 200}, chat_template=TEMPLATE,
+                   tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})[0].outputs[0]
+    (call,) = out.tool_calls
+    assert call.name == "get_weather" and set(json.loads(call.arguments)) == set(WEATHER["required"])
+
+
 def _embedding_llm(backend: str) -> LLM:
     path = os.environ.get("LMDOCK_EMBED_MODEL")
     assert path, "set LMDOCK_EMBED_MODEL to an embedding model folder (scripts/test.sh takes all-MiniLM-L6-v2's)"
@@ -113,6 +123,7 @@ CHECKS = {
     "next_token_logprobs": _check_next_token_logprobs,
     "beam_search": _check_beam_search,
     "structured_output": _check_structured_output,
+    "tools": _check_tools,
     "quantization": lambda llm: None,  # each declared algorithm is loaded below
     "embed": _check_embed,
     "score": _check_score,

@@ -129,10 +129,11 @@ def _parser() -> Parser:
     sv = sub.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API (pip install 'lmdock[serve]')",
                         description="Serve the config file's models (the named ones, by default all of them, each loaded when a "
                         "request first names it under [server] max_loaded_models / memory_budget_gib) over "
-                        "OpenAI's HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /v1/models/{id}, "
-                        "/v1/models/{id}/load, /v1/models/{id}/unload, "
-                        "/v1/embeddings, /v1/score and /score, /v1/rerank and /rerank, /tokenize, /detokenize, "
-                        "/tokenizer_info, /health, /metrics, /stats. Settings come from the config's [server] table; "
+                        "OpenAI's HTTP API: /v1/completions, /v1/chat/completions, /v1/responses, "
+                        "/v1/responses/{response_id}, /v1/models, /v1/models/{id}, /v1/models/{id}/load, "
+                        "/v1/models/{id}/unload, /v1/embeddings, /v1/score and /score, /v1/rerank and /rerank, "
+                        "/tokenize, /detokenize, /tokenizer_info, /health, /metrics, /stats; and Anthropic's "
+                        "/v1/messages, /v1/messages/count_tokens. Settings come from the config's [server] table; "
                         "SIGTERM/SIGINT drain the requests in flight, then exit 0. See docs/server.md.")
     sv.add_argument("model", nargs="?", metavar="MODEL_OR_PATH",
                     help="a model name in the config file, a local path or a hub id (as `vllm serve MODEL`)")

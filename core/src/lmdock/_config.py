@@ -43,7 +43,7 @@ SECTIONS: dict[str, type] = {
     "pooling": PoolingParams,
 }
 _MODEL_KEYS = {"model", "backend", "fallback", "tokenizer", "revision", "trust_remote_code", "sampling", "backends",
-               "keep_alive", "pin", "preload"}
+               "keep_alive", "pin", "preload", "tool_parser", "reasoning_parser"}
 
 
 @dataclass
@@ -142,6 +142,8 @@ def model_config(
     kwargs["keep_alive"] = coerce(entry.get("keep_alive", -1), float, key("keep_alive"), source)
     for flag in ("pin", "preload"):
         kwargs[flag] = coerce(entry.get(flag, False), bool, key(flag), source)
+    for opt in ("tool_parser", "reasoning_parser"):
+        kwargs[opt] = _parser_name(coerce(entry.get(opt), str | None, key(opt), source), opt, source, key(opt))
     for section, cls in SECTIONS.items():
         value = entry.get(section, {})
         # a copy: an editable section (BuildConfig) set later must not reach a loaded model
@@ -160,6 +162,19 @@ def model_config(
         return ModelConfig(**kwargs)
     except FieldError as exc:
         raise ConfigError(str(exc).split(": ", 1)[1], source=source, key=key(exc.field)) from None
+
+
+def _parser_name(name: str | None, kind: str, source: str, key: str) -> str | None:
+    """A ``tool_parser`` / ``reasoning_parser`` name, checked against the parsers installed."""
+    if name is None:
+        return None
+    from lmdock import tools
+
+    try:
+        (tools.get_parser if kind == "tool_parser" else tools.get_reasoning_parser)(name)
+    except ConfigError as exc:
+        raise ConfigError(str(exc).split(": ", 1)[-1], source=source, key=key) from None
+    return name
 
 
 def _explicit_fields(params: SamplingParams) -> dict[str, Any]:
@@ -218,6 +233,9 @@ def config_schema(backend_options: dict[str, type] | None = None) -> dict[str, A
         "tokenizer": {"type": "string"},
         "revision": {"type": "string"},
         "trust_remote_code": {"type": "boolean", "default": False},
+        "tool_parser": {"type": "string", "description": "how the model writes tool calls: hermes, llama3_json, mistral, "
+                        "pythonic, or a plugin's (docs/tools.md); default: recognized from the chat template"},
+        "reasoning_parser": {"type": "string", "description": "how the model writes its thinking: think (<think>...</think>)"},
         "sampling": json_schema(SamplingParams),
         "keep_alive": {"type": "number", "default": -1, "description": "seconds idle before a server unloads it; 0: when idle; -1: never"},
         "pin": {"type": "boolean", "default": False, "description": "a server loads it at start and never unloads it"},

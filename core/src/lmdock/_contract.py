@@ -40,6 +40,8 @@ CAPABILITIES: Mapping[str, str] = {
     "beam_search": "beam search (beam_width > 1)",
     "structured_output": "SamplingParams.structured_output: output constrained to a JSON schema, regex, choice or grammar",
     "logit_bias": "SamplingParams.logit_bias, allowed_token_ids and bad_words: tokens biased, restricted or banned",
+    "tools": "tool calls valid by construction: chat with tool_choice 'required' or a named function constrained to the "
+             "tool parser's format by llguidance Lark grammars (with %json); without it calls are read from free text only",
     "next_token_logprobs": "genlm-style next_token_logprobs over token-id prefixes",
     "embed": "embeddings from an embedding model",
     "score": "similarity scoring of text pairs",

@@ -20,7 +20,7 @@ from lmdock._contract import EngineRequest, RequestEngine
 from lmdock._errors import ConfigError, EngineClosedError, QueueFullError, RequestError, UnsupportedError
 from lmdock._loader import load_engine, resolve_model
 from lmdock._outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
-from lmdock._params import EditableSamplingParams, SamplingParams
+from lmdock._params import EditableSamplingParams, SamplingParams, StructuredOutput
 from lmdock._pooling_calls import PoolingArg, PoolingCalls
 from lmdock._progress import Progress
 from lmdock._prompts import Prompt, as_batch, as_prompt, content_as, indexed, indexed_error, token_id_prompts, truncated
@@ -298,10 +298,19 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         *,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
         use_tqdm: bool | None = None,
         chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template.
+
+        ``tools`` (OpenAI's function tools) are rendered by the template; with a tool parser (the
+        config's ``tool_parser``, or one recognized from the template) each completion's
+        ``tool_calls`` holds the calls it made and ``content`` the rest; ``tool_choice``
+        (``"auto"``, ``"none"``, ``"required"`` or a named function) and ``parallel_tool_calls`` as
+        OpenAI's.  A reasoning parser moves thinking into ``reasoning_content``.  See docs/tools.md.
 
         ``chat_template_content_format`` (vLLM's, furiosa-llm's): ``"string"`` joins a message's list of
         text parts into one string before the template sees it; ``"openai"`` and ``"auto"`` pass it as is."""
@@ -309,14 +318,40 @@ class LLM:
             raise RequestError("continue_final_message=True needs add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         conversations = [content_as(chat_template_content_format, conv) for conv in conversations]  # type: ignore[arg-type]
-        prompts = [
-            self.render_chat(conv, chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs)
-            for conv in conversations  # type: ignore[arg-type]
-        ]
         params = self._params(sampling_params)
-        # The template writes the special tokens itself (BOS...), so they are not added again.
-        requests = [indexed(i, len(prompts), self._request, p, params, add_special_tokens=False) for i, p in enumerate(prompts)]
-        return self._run_batch(requests, use_tqdm)
+        plans, requests = [], []
+        for i, conv in enumerate(conversations):
+            plan = self.chat_plan(tools, tool_choice, parallel_tool_calls, chat_template, chat_template_kwargs)
+            prompt = self.render_chat(conv, chat_template, add_generation_prompt, continue_final_message,  # type: ignore[arg-type]
+                                      chat_template_kwargs, tools=plan.template_tools)
+            plan.after_render(prompt)
+            # The template writes the special tokens itself (BOS...), so they are not added again.
+            requests.append(indexed(i, len(conversations), self._request, prompt, self.constrained(params, plan), add_special_tokens=False))
+            plans.append(plan)
+        outs = self._run_batch(requests, use_tqdm)
+        for plan, out in zip(plans, outs):
+            if plan.reads_calls or plan.reasoning is not None:
+                for c in out.outputs:
+                    reading = plan.read(c.text)
+                    c.content, c.reasoning_content, c.tool_calls = reading.content, reading.reasoning, reading.tool_calls
+        return outs
+
+    def chat_plan(self, tools: Any = None, tool_choice: Any = None, parallel_tool_calls: bool | None = None,
+                  chat_template: str | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> Any:
+        """How a chat request with these fields treats tools and thinking (a :class:`lmdock.tools.ChatPlan`),
+        with this model's parsers; RequestError naming the field that cannot be honoured."""
+        from lmdock.tools import ChatPlan
+
+        mc = self.model_config
+        template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        return ChatPlan.make(tools, tool_choice, parallel_tool_calls, chat_template_kwargs, model=mc.name or mc.model,
+                             tool_parser=mc.tool_parser, reasoning_parser=mc.reasoning_parser,
+                             template=template if isinstance(template, str) else None)
+
+    def constrained(self, params: SamplingParams, plan: Any) -> SamplingParams:
+        """``params`` with the structured output that keeps ``plan``'s calls valid, where it needs one."""
+        so = plan.constraint(self.backend.capability("tools"), params.structured_output, self.backend.name)
+        return params if so is None else params.replace(structured_output=StructuredOutput(**so))
 
     def render_chat(
         self,
@@ -325,21 +360,27 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The prompt text a conversation becomes."""
+        """The prompt text a conversation becomes (``tools``: the template's ``tools`` variable, as
+        transformers' ``apply_chat_template(tools=...)``)."""
         tok = self._tokenizer()
         if chat_template is None and not getattr(tok, "chat_template", None):
             raise RequestError(
                 f"model {self.model_config.model!r} has no chat template; pass chat_template=... "
                 "(a Jinja template) or use generate()"
             )
+        from lmdock.tools import template_messages
+
+        extra = {"tools": tools} if tools else {}
         try:
             return tok.apply_chat_template(
-                messages,
+                template_messages(messages),
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tokenize=False,
+                **extra,
                 **(chat_template_kwargs or {}),
             )
         except Exception as exc:

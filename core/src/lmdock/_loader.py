@@ -55,11 +55,13 @@ def _overlay(base: ModelConfig, options: dict[str, Any]) -> ModelConfig:
     section given as a dict overrides the entry's fields one by one."""
     if not options:
         return base
-    allowed = {"model", "backend", "fallback", "tokenizer", "revision", "trust_remote_code", "sampling", "backends", *SECTIONS}
+    allowed = {"model", "backend", "fallback", "tokenizer", "revision", "trust_remote_code", "tool_parser", "reasoning_parser",
+               "sampling", "backends", *SECTIONS}
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise ConfigError(f"unknown option {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}", source="<options>", key=unknown[0])
-    entry: dict[str, Any] = {k: getattr(base, k) for k in ("model", "backend", "fallback", "tokenizer", "revision", "trust_remote_code")}
+    scalars = ("model", "backend", "fallback", "tokenizer", "revision", "trust_remote_code", "tool_parser", "reasoning_parser")
+    entry: dict[str, Any] = {k: getattr(base, k) for k in scalars}
     for section in SECTIONS:
         current = getattr(base, section)
         value = options.get(section)
@@ -72,7 +74,7 @@ def _overlay(base: ModelConfig, options: dict[str, Any]) -> ModelConfig:
     # each backend's table field by field, as the sections (enforce_eager=True beside the file's [backends.vllm])
     given = options.get("backends", {})
     entry["backends"] = {**base.backends, **{k: {**base.backends.get(k, {}), **v} if isinstance(v, dict) else v for k, v in given.items()}}
-    for key in ("backend", "fallback", "tokenizer", "revision", "trust_remote_code", "model"):
+    for key in scalars:
         if key in options:
             entry[key] = options[key]
     return model_config(entry, name=base.name, source="<options>", base_dir=Path.cwd())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -29,6 +30,11 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort", or None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    #: read by ``LLM.chat`` when the model has a tool or reasoning parser (``lmdock.tools``): the text
+    #: without thinking and calls (None when it is calls only), the thinking, the calls
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[Any] | None = None
 
     @property
     def finished(self) -> bool:

@@ -568,6 +568,9 @@ class ModelConfig:
     tokenizer: str | None = None
     revision: str | None = None
     trust_remote_code: bool = False
+    #: how the model writes tool calls and thinking (``lmdock.tools``; None: recognized from the chat template / none)
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
     quantization: QuantConfig = field(default_factory=QuantConfig)
     build: BuildConfig = field(default_factory=BuildConfig)
     kv_cache: KvCacheConfig = field(default_factory=KvCacheConfig)

@@ -43,6 +43,26 @@ def lmdock_register_backends(register: Callable[[BackendSpec], None]) -> None:
 
 
 # -------------------------------------------------------------------------------------------------
+# tool-call and reasoning parsers
+# -------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def lmdock_register_parsers(register: Callable[[type], None]) -> None:
+    """Add tool-call parsers (a model family's call format) and reasoning parsers.
+
+    Called once per process, the first time a parser is looked up by name (a model whose config sets
+    ``tool_parser`` or ``reasoning_parser``, a chat request with ``tools``), for each plugin in turn.
+    Call ``register(cls)`` with a subclass of :class:`lmdock.tools.ToolParser` or
+    :class:`lmdock.tools.ReasoningParser` whose ``name`` is what a config names it by; one of the
+    same name as a built-in parser replaces it.  See ``docs/tools.md``.
+
+    :param register: takes the parser class; raises TypeError for anything else.
+    :return: nothing.
+    """
+
+
+# -------------------------------------------------------------------------------------------------
 # quantization
 # -------------------------------------------------------------------------------------------------
 

@@ -20,7 +20,8 @@ SPEC = lmdock.backend.BackendSpec(
     name="template",
     kind="step",
     plugin_api="1.0",
-    supports=frozenset({"generate", "chat", "stream", "sampling", "logit_bias", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search", "structured_output"}),
+    supports=frozenset({"generate", "chat", "stream", "sampling", "logit_bias", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search", "structured_output",
+                        "tools"}),
     lacks={
         "embed": "a causal LM only; the template has no pooling head",
         "score": "a causal LM only; the template has no scoring head",

@@ -11,8 +11,10 @@ from lmdock.server import (
     serving_chat,
     serving_completion,
     serving_health,
+    serving_messages,
     serving_models,
     serving_pooling,
+    serving_responses,
     serving_tokenize,
 )
 from lmdock.server._errors import install_error_handlers, json_error
@@ -22,7 +24,8 @@ from lmdock.server._pool import HoldRelease, ModelPool, ServedModel
 from lmdock.server._state import ServerState, engine_stats
 
 #: One router per endpoint family, in the order their routes are matched.
-ROUTERS = (serving_health, serving_models, serving_tokenize, serving_completion, serving_chat, serving_pooling)
+ROUTERS = (serving_health, serving_models, serving_tokenize, serving_completion, serving_chat, serving_pooling,
+           serving_responses, serving_messages)
 
 
 def create_app(models: list[ServedModel], settings: ServerConfig | None = None, api_key: str | None = None) -> FastAPI:

@@ -204,6 +204,10 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = Field(default=None, ge=0)
     max_completion_tokens: int | None = None
     response_format: ResponseFormat | None = None
+    # tools (lmdock.tools: the model's tool_parser reads the calls; a forced tool_choice constrains them)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM's extras
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -223,6 +227,7 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # rendered with the messages, as chat renders them
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

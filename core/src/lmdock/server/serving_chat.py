@@ -1,5 +1,13 @@
 """``POST /v1/chat/completions``: messages through the model's (or the request's) chat template, ``n``
-choices, streamed or not, with logprobs and JSON-schema response formats."""
+choices, streamed or not, with logprobs, JSON-schema response formats, tool calls and reasoning
+content (``lmdock.tools``: the model's parsers read each choice; a forced ``tool_choice`` constrains it).
+
+Other front ends (``/v1/responses``, ``/v1/messages``) reuse the chat path through :func:`start_chat`:
+it admits, renders and submits a :class:`ChatRequest` and returns a :class:`ChatRun`, whose
+``await run.whole()`` is OpenAI's ``chat.completion`` dict and ``run.chunks()`` its
+``chat.completion.chunk`` dicts (a bad request is an :class:`APIError` from :func:`start_chat`,
+before anything is sent).
+"""
 
 from __future__ import annotations
 
@@ -13,12 +21,12 @@ from fastapi.responses import JSONResponse, Response
 
 from lmdock._errors import LmdockError
 from lmdock._logprobs import chat_logprobs
-from lmdock._outputs import RequestOutput
-from lmdock._params import ServerConfig
+from lmdock._outputs import CompletionOutput, RequestOutput
 from lmdock.server._errors import APIError, as_api_error
 from lmdock.server._protocol import ChatRequest, usage
-from lmdock.server._state import ServedModel, state_of
+from lmdock.server._state import ServedModel, ServerState, state_of
 from lmdock.server._streaming import (
+    Admission,
     choice_deltas,
     collect,
     sse_response,
@@ -32,49 +40,82 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions")
 async def chat(body: ChatRequest, request: Request) -> Response:
+    run = await start_chat(body, request)
+    if body.stream:
+        return sse_response(request, run.chunks(), run.admission, run.retry)
+    return JSONResponse(await run.whole())
+
+
+async def start_chat(body: ChatRequest, request: Request) -> ChatRun:
+    """Admit, render and submit a chat request: the :class:`ChatRun` to read it from.  Raises
+    :class:`APIError` (400 naming the field, 404, 429...) before anything is sent."""
     st = state_of(request)
-    retry = st.retry_after
     sm = await st.model(body.model, request, body.keep_alive)
-    params = st.sampling_params(sm, body.overrides(), body)
-    prompt = await _render(st.settings, sm, body, retry)
+    plan = _plan(sm, body, st.retry_after)
+    prompt = await _render(st, sm, body, plan)
+    try:
+        params = sm.llm.constrained(st.sampling_params(sm, body.overrides(), body), plan)
+    except LmdockError as exc:
+        raise _tool_error(exc, st.retry_after, sm) from None
     admission, streams, firsts = await submit_admitted(request, st, sm, [prompt], params, add_special_tokens=False,
                                                        max_tokens_field=body.max_tokens_field())
-    reply = _Reply(body, sm.name, sm.llm.tokenizer, params.n)
-    reply.prompt_ids = list(firsts[0].prompt_token_ids) if firsts and firsts[0] is not None else []
-    if body.stream:
-        return sse_response(request, reply.chunks(streams, firsts), admission, retry)
+    return ChatRun(body, request, sm, plan, admission, streams, firsts, st.retry_after, params.n)
+
+
+def _plan(sm: ServedModel, body: ChatRequest, retry: int) -> Any:
     try:
-        (out,) = await unless_disconnected(request, collect(streams, firsts))
-    except BaseException as exc:
-        raise as_api_error(exc, retry) from None
-    finally:
-        admission.release()
-    return JSONResponse(reply.whole(out))
+        return sm.llm.chat_plan(body.tools, body.tool_choice, body.parallel_tool_calls, body.chat_template or sm.chat_template,
+                                body.chat_template_kwargs)
+    except LmdockError as exc:
+        raise _tool_error(exc, retry, sm) from None
 
 
-async def _render(settings: ServerConfig, sm: ServedModel, body: ChatRequest, retry: int) -> str:
+def _tool_error(exc: LmdockError, retry: int, sm: ServedModel) -> APIError:
+    """A tool-field error as a 400 naming the field its message starts with."""
+    err = as_api_error(exc, retry, sm.hide)
+    head = str(exc).split(":", 1)[0].split("[", 1)[0].split(" ", 1)[0]
+    if err.param is None and head in ChatRequest.model_fields:
+        err.param = head
+    return err
+
+
+async def _render(st: ServerState, sm: ServedModel, body: ChatRequest, plan: Any) -> str:
     """The prompt, rendered off the event loop within the server's time and size limits."""
     if body.continue_final_message and body.add_generation_prompt:
         raise APIError(400, "continue_final_message needs add_generation_prompt: false", param="continue_final_message")
-    check_request_template(body.chat_template, settings)
+    check_request_template(body.chat_template, st.settings)
 
     def render() -> str:
         return sm.llm.render_chat(body.messages, body.chat_template or sm.chat_template, body.add_generation_prompt,  # type: ignore[no-any-return]
-                                  body.continue_final_message, body.chat_template_kwargs)
+                                  body.continue_final_message, body.chat_template_kwargs, tools=plan.template_tools)
 
     try:
-        return await render_bounded(render, settings)
+        prompt = await render_bounded(render, st.settings)
     except LmdockError as exc:
-        raise as_api_error(exc, retry, sm.hide) from None
+        raise as_api_error(exc, st.retry_after, sm.hide) from None
+    plan.after_render(prompt)
+    return prompt
 
 
-class _Reply:
-    """The response's shape for one request: its id, choices and logprobs."""
+def finish_reason(c: CompletionOutput, calls: list[Any]) -> str | None:
+    """OpenAI's ``finish_reason``: ``"tool_calls"`` when a choice that stopped made calls (vLLM #14951)."""
+    return "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
 
-    def __init__(self, body: ChatRequest, model: str, tok: Any, n: int) -> None:
-        self.body, self.model, self.tok, self.n = body, model, tok, n
+
+class ChatRun:
+    """A submitted chat request, read whole (:meth:`whole`) or streamed (:meth:`chunks`) in OpenAI's shapes.
+
+    Either releases the admission when it ends, however it ends; leaving :meth:`chunks` early aborts
+    the engine request."""
+
+    def __init__(self, body: ChatRequest, request: Request, sm: ServedModel, plan: Any, admission: Admission,
+                 streams: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput | None], retry: int, n: int) -> None:
+        self.body, self.request, self.plan, self.admission, self.retry = body, request, plan, admission, retry
+        self.streams, self.firsts = streams, firsts
+        self.model, self.tok, self.n = sm.name, sm.llm.tokenizer, n  # the params' n: a config default counts too
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
-        self.prompt_ids: list[int] = []  # the rendered prompt's tokens: what the first token's text follows
+        # the rendered prompt's tokens: what the first token's text follows
+        self.prompt_ids: list[int] = list(firsts[0].prompt_token_ids) if firsts and firsts[0] is not None else []
         self.created = int(time.time())
 
     def logprobs(self, c: Any, start: int) -> dict[str, Any] | None:
@@ -84,23 +125,53 @@ class _Reply:
         return {"content": chat_logprobs(self.tok, list(c.token_ids[start:]), list((c.logprobs or [])[start:]),
                                          self.body.top_logprobs or 0, before)}
 
-    def whole(self, out: RequestOutput) -> dict[str, Any]:
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": self.logprobs(c, 0),
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+    async def whole(self) -> dict[str, Any]:
+        """OpenAI's ``chat.completion`` object."""
+        try:
+            (out,) = await unless_disconnected(self.request, collect(self.streams, self.firsts))
+        except BaseException as exc:
+            raise as_api_error(exc, self.retry) from None
+        finally:
+            self.admission.release()
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage([out])}
+                "choices": [self._choice(c) for c in out.outputs], "usage": usage([out])}
+
+    def _choice(self, c: CompletionOutput) -> dict[str, Any]:
+        reading = self.plan.read(c.text)
+        message: dict[str, Any] = {"role": "assistant", "content": reading.content}
+        if reading.reasoning is not None:
+            message["reasoning_content"] = reading.reasoning
+        if reading.tool_calls:
+            message["tool_calls"] = [call.openai() for call in reading.tool_calls]
+        return {"index": c.index, "message": message, "logprobs": self.logprobs(c, 0),
+                "finish_reason": finish_reason(c, reading.tool_calls), "stop_reason": c.stop_reason}
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    async def chunks(self, streams: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput | None]) -> AsyncIterator[dict[str, Any]]:
-        yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                           for i in range(self.n)])
-        last: list[Any] = [None]
-        async for d in choice_deltas(streams, firsts, last):
-            c = d.choice
-            yield self._chunk([{"index": c.index, "delta": {"content": d.text} if d.text else {},
-                                "logprobs": self.logprobs(c, d.token_start), "finish_reason": c.finish_reason}])
-        if self.body.stream_options and self.body.stream_options.include_usage:
-            yield self._chunk([], usage=usage(last))
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        """OpenAI's ``chat.completion.chunk`` objects: the role first, then each choice's reasoning,
+        content and call deltas as they come, its finish reason last, and ``usage`` where asked for."""
+        try:
+            yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                               for i in range(self.n)])
+            last: list[Any] = [None]
+            reads = [self.plan.stream() for _ in range(self.n)]
+            async for d in choice_deltas(self.streams, self.firsts, last):
+                c = d.choice
+                piece = reads[c.index].feed(c.text, final=c.finished)
+                delta: dict[str, Any] = {}
+                if piece.reasoning:
+                    delta["reasoning_content"] = piece.reasoning
+                if piece.content:
+                    delta["content"] = piece.content
+                if piece.calls:
+                    delta["tool_calls"] = [call.openai() for call in piece.calls]
+                reason = finish_reason(c, reads[c.index].tool_calls) if c.finished else None
+                yield self._chunk([{"index": c.index, "delta": delta, "logprobs": self.logprobs(c, d.token_start),
+                                    "finish_reason": reason}])
+            if self.body.stream_options and self.body.stream_options.include_usage:
+                yield self._chunk([], usage=usage(last))
+        finally:
+            self.admission.release()

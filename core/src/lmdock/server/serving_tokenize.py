@@ -11,6 +11,7 @@ from lmdock.server._errors import APIError, as_api_error
 from lmdock.server._protocol import DetokenizeRequest, TokenizeRequest
 from lmdock.server._state import ServedModel, state_of
 from lmdock.server._templates import render_bounded
+from lmdock.tools import check_tools
 
 router = APIRouter()
 
@@ -35,10 +36,13 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     tok = _tokenizer(sm)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+    if body.tools is not None and body.messages is None:
+        raise APIError(400, "tools are rendered with messages: send messages, or leave tools out", param="tools")
     try:
         if body.messages is not None:  # the template renders off the event loop, within the server's limits
-            messages = body.messages
-            text = await render_bounded(lambda: sm.llm.render_chat(messages, sm.chat_template, body.add_generation_prompt), st.settings)
+            messages, tools = body.messages, check_tools(body.tools) if body.tools is not None else None
+            text = await render_bounded(lambda: sm.llm.render_chat(messages, sm.chat_template, body.add_generation_prompt, tools=tools),
+                                        st.settings)
             ids = tok.encode(text, add_special_tokens=False)
         else:
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)

@@ -42,7 +42,7 @@ SPEC = BackendSpec(
     kind="step",
     plugin_api="1.0",
     supports=frozenset({"generate", "chat", "stream", "sampling", "logit_bias", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search",
-                        "structured_output", "embed", "score", "offload", "quantization"}),
+                        "structured_output", "tools", "embed", "score", "offload", "quantization"}),
     # |prompt logprob - transformers float32| on the conformance reference; measured 0.0038, 0.0023, 0.118
     tolerances={"int8_weight_only": 0.02, "int8_dynamic": 0.02, "int4_weight_only": 0.5},
     requires=("torch", "transformers"),

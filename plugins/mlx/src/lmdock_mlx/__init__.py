@@ -31,7 +31,8 @@ SPEC = BackendSpec(
     name="mlx",
     kind="step",
     plugin_api="1.0",
-    supports=frozenset({"generate", "chat", "stream", "sampling", "logit_bias", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search", "structured_output", "quantization"}),
+    supports=frozenset({"generate", "chat", "stream", "sampling", "logit_bias", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search", "structured_output", "tools",
+                        "quantization"}),
     lacks={
         "embed": "mlx-lm serves causal LMs",
         "score": "mlx-lm serves causal LMs",

@@ -76,7 +76,7 @@ SPEC = BackendSpec(
     kind="step",
     plugin_api="1.0",
     supports=frozenset({"generate", "chat", "stream", "sampling", "logit_bias", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search",
-                        "structured_output", "quantization", "embed", "score"}),
+                        "structured_output", "tools", "quantization", "embed", "score"}),
     lacks={
         "offload": "ONNX Runtime holds the whole graph in one session; no OffloadPolicy",
     },

@@ -78,7 +78,7 @@ SPEC = BackendSpec(
     kind="request",
     plugin_api="1.0",
     supports=frozenset(
-        {"generate", "chat", "stream", "sampling", "logit_bias", "logprobs", "prompt_logprobs", "structured_output", "quantization",
+        {"generate", "chat", "stream", "sampling", "logit_bias", "logprobs", "prompt_logprobs", "structured_output", "tools", "quantization",
          "next_token_logprobs", "beam_search", "embed", "score"}
     ),
     lacks={

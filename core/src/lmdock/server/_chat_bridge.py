@@ -1,0 +1,116 @@
+"""The Responses and Messages APIs ride the chat path: each translates its request into a chat
+request, runs it through ``/v1/chat/completions``' own code (the same template rendering, sampling
+defaults, admission, abort on disconnect and streaming; there is no second generation loop) and
+translates the chat completion, or its stream of chunks, back into its own shape.
+
+Here is what both share: request bodies that refuse unknown fields, the call into chat, an error
+from chat renamed into the caller's field names, and server-sent events named by their ``type``
+(``event: message_start`` / ``data: {...}``), as both APIs send them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
+
+from lmdock.server import serving_chat
+from lmdock.server._errors import APIError
+from lmdock.server._protocol import ChatRequest, unknown_field
+from lmdock.server._streaming import DONE, sse, sse_response
+
+
+class StrictBody(BaseModel):
+    """A request body (or part of one) that refuses a field it does not know, naming it and the
+    closest known one, as ``_protocol``'s bodies do; a field sent as ``null`` asks for nothing."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, value in data.items():
+                if value is not None and key not in cls.model_fields:
+                    raise PydanticCustomError("unknown_field", "{message}", {"field": key, "message": unknown_field(key, cls.model_fields)})
+        return data
+
+
+def refuse_keys(item: dict[str, Any], known: frozenset[str], where: str) -> None:
+    """A 400 naming the first key of ``item`` (a loosely typed part of a body: an input item, a
+    content block) that is not in ``known`` and not null."""
+    for key, value in item.items():
+        if value is not None and key not in known:
+            raise APIError(400, f"{where}: {unknown_field(key, known)}", param=f"{where}.{key}")
+
+
+def chat_request(chat: dict[str, Any]) -> ChatRequest:
+    """``chat`` as the chat route's body; what it refuses is a 400 naming the field."""
+    try:
+        return ChatRequest.model_validate(chat)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+
+
+async def start_chat(chat: dict[str, Any], request: Request, names: dict[str, str], stream: bool) -> serving_chat.ChatRun:
+    """``chat`` admitted, rendered and submitted on the chat path (``stream``: its chunks will be
+    read, the last one with ``usage``); an error names the caller's fields (``names``: chat's to the
+    caller's, see :func:`renamed`)."""
+    if stream:
+        chat = {**chat, "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        return await serving_chat.start_chat(chat_request(chat), request)
+    except APIError as exc:
+        raise renamed(exc, names) from None
+
+
+def renamed(exc: APIError, names: dict[str, str]) -> APIError:
+    """An error from the chat path in the caller's field names (``max_output_tokens`` for chat's
+    ``max_tokens`` on Responses, ``stop_sequences`` for ``stop`` on Messages): ``names`` maps chat's
+    to the caller's."""
+    if exc.param is None:
+        return exc
+    head, _, rest = exc.param.partition(".")
+    if head not in names:
+        return exc
+    param = names[head] + (f".{rest}" if rest else "")
+    # a message that starts with the field ("max_tokens=600: ...", "stop: ...") names it; other text stays
+    message, after = exc.message, exc.message[len(exc.param):]
+    if message.startswith(exc.param) and after[:1] in (":", "="):
+        message = param + after
+    return APIError(exc.status, message, param=param, code=exc.code, headers=exc.headers)
+
+
+def typed_sse(request: Request, run: serving_chat.ChatRun, events: AsyncIterator[dict[str, Any]],
+              error_event: Callable[[dict[str, Any]], dict[str, Any]]) -> StreamingResponse:
+    """``events`` (each a dict whose first key is ``type``) as server-sent events named by their type,
+    as both APIs send them and Anthropic's client requires.  The chat route's SSE response carries
+    them (its abort on disconnect, its release of the admission); its ``data: {...}`` lines get their
+    ``event:`` line here, its ``[DONE]`` is dropped (neither API sends one), and its error body
+    (``{"error": {...}}``, for a failure after the start) becomes ``error_event(error)``."""
+    response = sse_response(request, events, run.admission, run.retry)
+    response.body_iterator = _named(response.body_iterator, error_event)
+    return response
+
+
+async def _named(lines: AsyncIterator[Any], error_event: Callable[[dict[str, Any]], dict[str, Any]]) -> AsyncIterator[str]:
+    start = len('data: {"type":"')
+    try:
+        async for line in lines:
+            if line == DONE:
+                continue
+            if line.startswith('data: {"type":"'):  # sse() writes the dict's first key first, compactly
+                kind = line[start:line.index('"', start)]
+                yield f"event: {kind}\n{line}"
+            else:
+                event = error_event(json.loads(line.removeprefix("data: "))["error"])
+                yield f"event: {event['type']}\n{sse(event)}"
+    finally:
+        await lines.aclose()  # type: ignore[attr-defined]  # its own finally aborts the engine request

@@ -1,0 +1,151 @@
+"""The Responses API's request in chat terms: ``input`` items become chat messages, its flat function
+tools and ``tool_choice`` chat's nested ones, ``text.format`` chat's ``response_format``.
+
+Input items are read loosely typed (they come in many shapes, most of which a text server cannot
+honour), each kind with its known keys: anything else is a 400 naming the item and what to send.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lmdock.server._chat_bridge import refuse_keys
+from lmdock.server._errors import APIError
+
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+_MESSAGE_KEYS = frozenset({"type", "role", "content", "id", "status", "phase"})
+_CALL_KEYS = frozenset({"type", "call_id", "name", "arguments", "id", "status"})
+_OUTPUT_KEYS = frozenset({"type", "call_id", "output", "id", "status"})
+_REASONING_KEYS = frozenset({"type", "id", "summary", "content", "encrypted_content", "status"})
+_TEXT_PARTS = {"input_text": frozenset({"type", "text"}), "output_text": frozenset({"type", "text", "annotations", "logprobs"}),
+               "refusal": frozenset({"type", "refusal"}), "reasoning_text": frozenset({"type", "text"}),
+               "summary_text": frozenset({"type", "text"})}
+_TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
+
+
+def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
+    """``input`` as chat messages: a string is one user message; items are read in order, and
+    ``function_call`` items join the assistant message before them (one assistant turn with its calls),
+    as does an assistant message after a ``reasoning`` item (whose text is the turn's ``reasoning_content``,
+    which the template shows or leaves out, as it does in chat)."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        where = f"input.{i}"
+        if not isinstance(item, dict):
+            raise APIError(400, f"{where} is a {type(item).__name__}; an input item is an object", param=where)
+        kind = item.get("type") or "message"
+        if kind == "message":
+            message = _message(item, where)
+            if message["role"] == "assistant" and out and out[-1].get("reasoning_content") is not None and not out[-1]["content"]:
+                out[-1]["content"] = message["content"]
+            else:
+                out.append(message)
+        elif kind == "reasoning":
+            out.append({"role": "assistant", "content": "", "reasoning_content": _reasoning(item, where)})
+        elif kind == "function_call":
+            _add_call(out, item, where)
+        elif kind == "function_call_output":
+            refuse_keys(item, _OUTPUT_KEYS, where)
+            out.append({"role": "tool", "tool_call_id": _text_field(item, "call_id", where),
+                        "content": _text(item.get("output"), f"{where}.output")})
+        else:
+            raise APIError(400, f"{where} is a {kind!r} item; lmdock serve takes message, reasoning, function_call and "
+                                "function_call_output items", param=f"{where}.type")
+    return out
+
+
+def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
+    refuse_keys(item, _MESSAGE_KEYS, where)
+    role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+    if role is None:
+        raise APIError(400, f"{where}.role is {item.get('role')!r}; one of {', '.join(_ROLES)}", param=f"{where}.role")
+    return {"role": role, "content": _text(item.get("content"), f"{where}.content")}
+
+
+def _reasoning(item: dict[str, Any], where: str) -> str:
+    refuse_keys(item, _REASONING_KEYS, where)
+    if item.get("encrypted_content") is not None:
+        raise APIError(400, f"{where}.encrypted_content: lmdock cannot read another server's encrypted reasoning; "
+                            "leave the item out", param=f"{where}.encrypted_content")
+    if item.get("content"):
+        return _text(item["content"], f"{where}.content")
+    return _text(item.get("summary") or [], f"{where}.summary")
+
+
+def _add_call(out: list[dict[str, Any]], item: dict[str, Any], where: str) -> None:
+    refuse_keys(item, _CALL_KEYS, where)
+    call = {"id": _text_field(item, "call_id", where), "type": "function",
+            "function": {"name": _text_field(item, "name", where), "arguments": _text_field(item, "arguments", where)}}
+    if out and out[-1]["role"] == "assistant":
+        out[-1].setdefault("tool_calls", []).append(call)
+    else:  # "" rather than None: templates that trim or join content do not all take None
+        out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+
+
+def _text_field(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise APIError(400, f"{where}.{key} must be a string", param=f"{where}.{key}")
+    return value
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's (or a call output's) content as text: a string, or text parts joined with newlines
+    (as vLLM joins chat's text parts); any other part (an image, a file, audio) is a 400."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where} must be a string or a list of text parts", param=where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in _TEXT_PARTS:
+            raise APIError(400, f"{where}.{j} is a {kind!r} part; lmdock serves text models, which would not see it: "
+                                "send input_text parts only", param=f"{where}.{j}.type")
+        refuse_keys(part, _TEXT_PARTS[kind], f"{where}.{j}")
+        texts.append(_text_field(part, "refusal" if kind == "refusal" else "text", f"{where}.{j}"))
+    return "\n".join(texts)
+
+
+def chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Responses' flat function tools (``{type, name, parameters}``) as chat's (``{type, function: {...}}``)."""
+    out = []
+    for i, tool in enumerate(tools):
+        where = f"tools.{i}"
+        if tool.get("type") != "function":
+            raise APIError(400, f"{where} is a {tool.get('type')!r} tool; lmdock serve runs function tools only "
+                                "(the client runs them and sends back function_call_output)", param=f"{where}.type")
+        refuse_keys(tool, _TOOL_KEYS, where)
+        out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters", "strict")
+                                                     if tool.get(k) is not None}})
+    return out
+
+
+def chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    """``tool_choice``: ``none``, ``auto``, ``required`` as they are; ``{type: function, name}`` as chat's."""
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise APIError(400, f"tool_choice {choice!r}: one of none, auto, required, or {{type: function, name}}", param="tool_choice")
+        return choice
+    refuse_keys(choice, frozenset({"type", "name"}), "tool_choice")
+    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        raise APIError(400, "tool_choice: lmdock serve takes none, auto, required, or {type: function, name}",
+                       param="tool_choice")
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def chat_response_format(fmt: dict[str, Any]) -> dict[str, Any] | None:
+    """``text.format`` as chat's ``response_format`` (None for plain text)."""
+    kind = fmt.get("type")
+    if kind == "text":
+        refuse_keys(fmt, frozenset({"type"}), "text.format")
+        return None
+    if kind == "json_object":
+        refuse_keys(fmt, frozenset({"type"}), "text.format")
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        refuse_keys(fmt, frozenset({"type", "name", "schema", "description", "strict"}), "text.format")
+        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "description", "strict") if k in fmt}}
+    raise APIError(400, f"text.format.type {kind!r}: one of text, json_object, json_schema", param="text.format.type")

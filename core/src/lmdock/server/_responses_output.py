@@ -1,0 +1,164 @@
+"""The Responses API's output: chat's assistant message as output items (``reasoning`` with
+``reasoning_text``, ``message`` with ``output_text``, one ``function_call`` per call), whole, or from
+chat's chunks as OpenAI's streamed events.
+
+Streamed, each item opens with ``response.output_item.added`` and closes with
+``response.output_item.done``; between them a text item has its one content part
+(``response.content_part.added`` / ``.done``) and its ``.delta`` events and ``.done``
+(``response.output_text.*`` or ``response.reasoning_text.*``), a call its
+``response.function_call_arguments.delta`` events and ``.done``.  Every event has its
+``sequence_number``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+#: A text item's type -> (its id prefix, its part's type, its delta and done events' prefix).
+_TEXT = {"message": ("msg", "output_text", "response.output_text"),
+         "reasoning": ("rs", "reasoning_text", "response.reasoning_text")}
+
+
+def _part(kind: str, text: str) -> dict[str, Any]:
+    if kind == "message":
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"type": "reasoning_text", "text": text}
+
+
+def text_item(kind: str, item_id: str, text: str, status: str) -> dict[str, Any]:
+    """A ``message`` or ``reasoning`` item (its content empty while in progress)."""
+    content = [_part(kind, text)] if status != "in_progress" else []
+    if kind == "message":
+        return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
+    return {"id": item_id, "type": "reasoning", "summary": [], "status": status, "content": content}
+
+
+def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments, "status": status}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def output_items(message: dict[str, Any], status: str) -> list[dict[str, Any]]:
+    """Chat's assistant message as output items; a message item when there is text or nothing else."""
+    items = []
+    if message.get("reasoning_content"):
+        items.append(text_item("reasoning", new_id("rs"), message["reasoning_content"], status))
+    text, calls = message.get("content") or "", message.get("tool_calls") or []
+    if text or not (calls or items):
+        items.append(text_item("message", new_id("msg"), text, status))
+    return items + [call_item(new_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"], "completed") for c in calls]
+
+
+def assistant(message: dict[str, Any]) -> dict[str, Any]:
+    """Chat's assistant message as the history keeps it (content a string; calls and reasoning where made)."""
+    out = {"role": "assistant", "content": message.get("content") or ""}
+    if message.get("tool_calls"):
+        out["tool_calls"] = message["tool_calls"]
+    if message.get("reasoning_content"):
+        out["reasoning_content"] = message["reasoning_content"]
+    return out
+
+
+class EventSequence:
+    """Chat's chunks as the streamed events: the sequence number, the item open now, the items done,
+    and the assistant message they add up to (for the store)."""
+
+    def __init__(self) -> None:
+        self.number = 0
+        self.output: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None  # the item being written: {"kind", "id", "index", "text", ...}
+        self.message: dict[str, Any] = {"content": "", "reasoning_content": "", "tool_calls": []}
+        self.finish: str | None = None
+        self.usage: dict[str, int] | None = None
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self.number += 1
+        return {"type": kind, "sequence_number": self.number - 1, **fields}
+
+    def error(self, err: dict[str, Any]) -> dict[str, Any]:
+        """A failure after the start (OpenAI's error body) as the ``error`` event."""
+        return self.event("error", code=err.get("code"), message=err.get("message"), param=err.get("param"))
+
+    def chunk(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        out: list[dict[str, Any]] = []
+        for choice in chunk.get("choices", ()):
+            delta = choice.get("delta", {})
+            if delta.get("reasoning_content"):
+                out += self._text("reasoning", delta["reasoning_content"])
+            if delta.get("content"):
+                out += self._text("message", delta["content"])
+            for call in delta.get("tool_calls") or ():
+                out += self._call(call)
+            self.finish = choice.get("finish_reason") or self.finish
+        return out
+
+    @property
+    def status(self) -> str:
+        return "incomplete" if self.finish == "length" else "completed"
+
+    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
+        out = []
+        if self.open is None or self.open["kind"] != kind:
+            out = self.close("completed")
+            out += self._start_text(kind)
+        item = self.open
+        assert item is not None  # opened above
+        item["text"] += text
+        self.message["content" if kind == "message" else "reasoning_content"] += text
+        extra = {"logprobs": []} if kind == "message" else {}
+        out.append(self.event(f"{_TEXT[kind][2]}.delta", item_id=item["id"], output_index=item["index"], content_index=0,
+                              delta=text, **extra))
+        return out
+
+    def _start_text(self, kind: str) -> list[dict[str, Any]]:
+        self.open = item = {"kind": kind, "id": new_id(_TEXT[kind][0]), "index": len(self.output), "text": ""}
+        return [self.event("response.output_item.added", output_index=item["index"], item=text_item(kind, item["id"], "", "in_progress")),
+                self.event("response.content_part.added", item_id=item["id"], output_index=item["index"], content_index=0,
+                           part=_part(kind, ""))]
+
+    def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        out = []
+        fn = call.get("function") or {}
+        if self.open is None or self.open["kind"] != "function_call" or self.open["call_index"] != call.get("index"):
+            out = self.close("completed")
+            self.open = {"kind": "function_call", "id": new_id("fc"), "index": len(self.output), "text": "",
+                         "call_index": call.get("index"), "call_id": call.get("id") or "", "name": fn.get("name") or ""}
+            out.append(self.event("response.output_item.added", output_index=self.open["index"],
+                                  item=call_item(self.open["id"], self.open["call_id"], self.open["name"], "", "in_progress")))
+        if fn.get("arguments"):
+            self.open["text"] += fn["arguments"]
+            out.append(self.event("response.function_call_arguments.delta", item_id=self.open["id"],
+                                  output_index=self.open["index"], delta=fn["arguments"]))
+        return out
+
+    def end(self) -> list[dict[str, Any]]:
+        """The events that finish the last item (an empty message when nothing at all was written)."""
+        out = self._start_text("message") if self.open is None and not self.output else []
+        return out + self.close(self.status)
+
+    def close(self, status: str) -> list[dict[str, Any]]:
+        """The events that finish the open item, if any."""
+        item = self.open
+        if item is None:
+            return []
+        self.open = None
+        where = {"item_id": item["id"], "output_index": item["index"]}
+        if item["kind"] == "function_call":
+            done = call_item(item["id"], item["call_id"], item["name"], item["text"], status)
+            self.message["tool_calls"].append({"id": item["call_id"], "type": "function",
+                                               "function": {"name": item["name"], "arguments": item["text"]}})
+            out = [self.event("response.function_call_arguments.done", **where, name=item["name"], arguments=item["text"])]
+        else:
+            kind = item["kind"]
+            done = text_item(kind, item["id"], item["text"], status)
+            extra = {"logprobs": []} if kind == "message" else {}
+            out = [self.event(f"{_TEXT[kind][2]}.done", **where, content_index=0, text=item["text"], **extra),
+                   self.event("response.content_part.done", **where, content_index=0, part=done["content"][0])]
+        self.output.append(done)
+        return [*out, self.event("response.output_item.done", output_index=item["index"], item=done)]

@@ -1,0 +1,273 @@
+"""``POST /v1/messages`` (Anthropic's Messages API) on the chat path, and ``POST
+/v1/messages/count_tokens``; errors on these routes in Anthropic's body,
+``{"type": "error", "error": {"type", "message"}}``.
+
+A request becomes a chat request (``_messages_blocks``); the chat completion becomes content blocks
+(``thinking`` from a reasoning model, ``text``, ``tool_use`` with its ``input`` parsed) and a
+``stop_reason`` (``end_turn``, ``max_tokens``, ``stop_sequence`` with the ``stop_sequence`` matched,
+``tool_use``); streamed, its chunks become Anthropic's events: ``message_start``, ``ping``, per block
+``content_block_start``, ``content_block_delta`` (``thinking_delta`` / ``text_delta`` /
+``input_json_delta``) and ``content_block_stop``, then ``message_delta`` (stop reason, usage) and
+``message_stop``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from pydantic import Field, model_validator
+
+from lmdock._errors import LmdockError
+from lmdock.server._chat_bridge import StrictBody, start_chat, typed_sse
+from lmdock.server._errors import APIError, as_api_error
+from lmdock.server._messages_blocks import chat_messages, chat_tool_choice, chat_tools
+from lmdock.server._state import state_of
+from lmdock.server._templates import render_bounded
+
+#: Anthropic's error types by HTTP status.
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+               413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+#: Chat's field names in errors from the chat path, as this API calls them.
+NAMES = {"stop": "stop_sequences"}
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"),
+                                       "message": message}}
+
+
+class _AnthropicErrors(APIRoute):
+    """A route whose errors answer in Anthropic's body: the server's one mapping (its exception
+    handlers, OpenAI's body) decides the status and message, and this reshapes the body."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handle = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handle(request)
+            except Exception as exc:  # noqa: BLE001 - every error goes through the app's handlers
+                return await _reshaped(request, exc)
+
+        return route
+
+
+async def _reshaped(request: Request, exc: Exception) -> Response:
+    handlers = request.app.exception_handlers
+    handler = next((handlers[c] for c in type(exc).__mro__ if c in handlers), None)
+    if handler is None:
+        raise exc
+    openai = await handler(request, exc)
+    message = json.loads(bytes(openai.body))["error"]["message"]
+    headers = {k: v for k, v in openai.headers.items() if k.lower() not in ("content-length", "content-type")}
+    return JSONResponse(error_body(openai.status_code, message), status_code=openai.status_code, headers=headers)
+
+
+router = APIRouter(route_class=_AnthropicErrors)
+
+
+class Metadata(StrictBody):
+    user_id: str | None = None  # an end user's id, for abuse reports: nothing to do on a local server
+
+
+class Thinking(StrictBody):
+    type: str
+    budget_tokens: int | None = None
+
+    @model_validator(mode="after")
+    def _disabled_only(self) -> Thinking:
+        """``disabled`` turns a reasoning model's thinking off (``enable_thinking: false`` to its template);
+        ``enabled`` asks for a budget of thinking tokens, which lmdock cannot hold a model to."""
+        if self.type != "disabled":
+            raise APIError(400, f"thinking.type {self.type!r}: lmdock cannot hold a model's thinking to budget_tokens; "
+                                "leave thinking out (a model with a reasoning parser thinks as its template says, and "
+                                "its thinking comes back as thinking blocks) or send {type: disabled}", param="thinking.type")
+        if self.budget_tokens is not None:
+            raise APIError(400, "thinking.budget_tokens: disabled thinking has no budget", param="thinking.budget_tokens")
+        return self
+
+
+class _Conversation(StrictBody):
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    system: str | list[Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: Thinking | None = None
+
+    def chat(self) -> dict[str, Any]:
+        """The conversation, tools and tool choice as a chat request's fields."""
+        chat: dict[str, Any] = {"model": self.model, "messages": chat_messages(self.system, self.messages)}
+        if self.thinking is not None:  # disabled: the one kind Thinking lets through
+            chat["chat_template_kwargs"] = {"enable_thinking": False}
+        if self.tool_choice is not None and self.tool_choice.get("type") != "none" and not self.tools:
+            raise APIError(400, f"tool_choice {self.tool_choice.get('type')!r} needs tools", param="tool_choice")
+        if self.tools or self.tool_choice is not None:
+            choice, parallel = chat_tool_choice(self.tool_choice) if self.tool_choice is not None else (None, None)
+            chat.update(tools=chat_tools(self.tools or []) or None, tool_choice=choice, parallel_tool_calls=parallel)
+        return chat
+
+
+class MessagesRequest(_Conversation):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)  # Anthropic's range
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(default=None, ge=1)
+    metadata: Metadata | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None
+
+    def chat(self) -> dict[str, Any]:
+        return {**super().chat(), "max_tokens": self.max_tokens, "stop": self.stop_sequences,
+                "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+
+
+class CountTokensRequest(_Conversation):
+    pass
+
+
+@router.post("/v1/messages")
+async def create(body: MessagesRequest, request: Request) -> Response:
+    run = await start_chat(body.chat(), request, NAMES, body.stream)
+    reply = _Reply(body, run.model, len(run.prompt_ids))
+    if body.stream:
+        return typed_sse(request, run, reply.events(run.chunks()), _error_event)
+    return JSONResponse(reply.whole(await run.whole()))
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
+    """The tokens the conversation's prompt takes, rendered as ``/v1/messages`` renders it."""
+    st = state_of(request)
+    sm = st.model(body.model)
+    chat = body.chat()
+    kwargs = chat.get("chat_template_kwargs")
+    try:
+        plan = sm.llm.chat_plan(chat.get("tools"), chat.get("tool_choice"), chat.get("parallel_tool_calls"), sm.chat_template, kwargs)
+        text = await render_bounded(lambda: sm.llm.render_chat(chat["messages"], sm.chat_template, True, False, kwargs,
+                                                               tools=plan.template_tools), st.settings)
+        return {"input_tokens": len(sm.llm.tokenizer.encode(text, add_special_tokens=False))}
+    except LmdockError as exc:
+        raise as_api_error(exc, st.retry_after, sm.hide) from None
+
+
+def _error_event(err: dict[str, Any]) -> dict[str, Any]:
+    """A failure after the start (OpenAI's error body) as Anthropic's ``error`` event."""
+    code = str(err.get("code") or "")
+    return error_body(int(code) if code.isdigit() else 500, err.get("message") or "")
+
+
+def _stop(choice: dict[str, Any], sequences: list[str] | None) -> tuple[str, str | None]:
+    """``stop_reason`` and ``stop_sequence`` from chat's ``finish_reason`` and vLLM's ``stop_reason``
+    (the stop string or token that ended the text)."""
+    finish, matched = choice.get("finish_reason"), choice.get("stop_reason")
+    if finish == "length":
+        return "max_tokens", None
+    if finish == "tool_calls":
+        return "tool_use", None
+    if isinstance(matched, str) and matched in (sequences or ()):
+        return "stop_sequence", matched
+    return "end_turn", None
+
+
+def _usage(chat_usage: dict[str, int] | None) -> dict[str, int]:
+    chat_usage = chat_usage or {}
+    return {"input_tokens": chat_usage.get("prompt_tokens", 0), "output_tokens": chat_usage.get("completion_tokens", 0)}
+
+
+def _input(arguments: str) -> dict[str, Any]:
+    """A call's arguments (JSON text) as ``tool_use.input``; text that is no JSON object stays readable."""
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        return {"arguments": arguments}
+    return value if isinstance(value, dict) else {"arguments": value}
+
+
+class _Reply:
+    """One message: its id and its body, whole or as events."""
+
+    def __init__(self, body: MessagesRequest, model: str, prompt_tokens: int) -> None:
+        self.body, self.model, self.prompt_tokens = body, model, prompt_tokens
+        self.id = f"msg_{uuid.uuid4().hex}"
+
+    def message(self, content: list[dict[str, Any]], stop: tuple[str | None, str | None], usage: dict[str, int]) -> dict[str, Any]:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
+
+    def whole(self, completion: dict[str, Any]) -> dict[str, Any]:
+        choice = completion["choices"][0]
+        message = choice["message"]
+        content = [{"type": "thinking", "thinking": message["reasoning_content"], "signature": ""}] if message.get("reasoning_content") else []
+        content += [{"type": "text", "text": message["content"]}] if message.get("content") else []
+        content += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"], "input": _input(c["function"]["arguments"])}
+                    for c in message.get("tool_calls") or ()]
+        return self.message(content, _stop(choice, self.body.stop_sequences), _usage(completion.get("usage")))
+
+    async def events(self, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+        """The chat chunks as Anthropic's event sequence."""
+        start = {"input_tokens": self.prompt_tokens, "output_tokens": 0}
+        yield {"type": "message_start", "message": self.message([], (None, None), start)}
+        yield {"type": "ping"}
+        blocks = _Blocks()
+        stop: tuple[str, str | None] = ("end_turn", None)
+        usage = None
+        async for chunk in chunks:
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices", ()):
+                for event in blocks.delta(choice.get("delta", {})):
+                    yield event
+                if choice.get("finish_reason"):
+                    stop = _stop(choice, self.body.stop_sequences)
+        for event in blocks.close():
+            yield event
+        yield {"type": "message_delta", "delta": {"stop_reason": stop[0], "stop_sequence": stop[1]}, "usage": _usage(usage)}
+        yield {"type": "message_stop"}
+
+
+class _Blocks:
+    """The streamed content blocks: the one open now (thinking, text, or a call by chat's index) and its index."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: tuple[str, Any] | None = None  # ("text", None) or ("tool_use", chat's call index)
+
+    def delta(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if delta.get("reasoning_content"):
+            if self.open != ("thinking", None):
+                out += self._start(("thinking", None), {"type": "thinking", "thinking": "", "signature": ""})
+            out.append({"type": "content_block_delta", "index": self.index,
+                        "delta": {"type": "thinking_delta", "thinking": delta["reasoning_content"]}})
+        if delta.get("content"):
+            if self.open != ("text", None):
+                out += self._start(("text", None), {"type": "text", "text": ""})
+            out.append({"type": "content_block_delta", "index": self.index, "delta": {"type": "text_delta", "text": delta["content"]}})
+        for call in delta.get("tool_calls") or ():
+            fn = call.get("function") or {}
+            if self.open != ("tool_use", call.get("index")):
+                out += self._start(("tool_use", call.get("index")), {"type": "tool_use", "id": call.get("id") or "",
+                                                                     "name": fn.get("name") or "", "input": {}})
+            if fn.get("arguments"):
+                out.append({"type": "content_block_delta", "index": self.index,
+                            "delta": {"type": "input_json_delta", "partial_json": fn["arguments"]}})
+        return out
+
+    def _start(self, key: tuple[str, Any], block: dict[str, Any]) -> list[dict[str, Any]]:
+        out = self.close()
+        self.index += 1
+        self.open = key
+        return [*out, {"type": "content_block_start", "index": self.index, "content_block": block}]
+
+    def close(self) -> list[dict[str, Any]]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [{"type": "content_block_stop", "index": self.index}]

@@ -1,0 +1,214 @@
+"""``POST /v1/responses`` (OpenAI's Responses API) on the chat path, with ``GET`` and ``DELETE
+/v1/responses/{id}`` over the server's bounded store of recent responses.
+
+A request becomes a chat request (``_responses_items``): ``instructions`` a system message, then the
+conversation ``previous_response_id`` ends (from the store), then ``input``.  The chat completion,
+or its chunks, become output items and OpenAI's streamed events (``_responses_output``), between
+``response.created`` / ``response.in_progress`` and ``response.completed``, or
+``response.incomplete`` when ``max_output_tokens`` cut it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import Field, model_validator
+
+from lmdock.server._chat_bridge import StrictBody, start_chat, typed_sse
+from lmdock.server._errors import APIError
+from lmdock.server._response_store import ResponseStore, Stored
+from lmdock.server._responses_items import chat_response_format, chat_tool_choice, chat_tools, input_messages
+from lmdock.server._responses_output import EventSequence, assistant, new_id, output_items
+from lmdock.server._state import state_of
+
+router = APIRouter()
+
+#: Chat's field names in errors from the chat path, as this API calls them.
+NAMES = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens", "messages": "input",
+         "response_format": "text.format"}
+
+
+class TextConfig(StrictBody):
+    format: dict[str, Any] | None = None
+    verbosity: str | None = None  # refused unless null (see _honourable)
+
+
+class ResponsesRequest(StrictBody):
+    model: str | None = None
+    input: str | list[Any]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    text: TextConfig | None = None
+    reasoning: dict[str, Any] | None = None  # refused unless its settings are null (see _honourable)
+    truncation: Literal["disabled"] | None = None  # "auto" would drop turns silently: refused
+    include: list[str] | None = None
+    prompt_cache_key: str | None = None  # a hint: lmdock's prefix cache needs no key
+    service_tier: Literal["auto", "default"] | None = None
+
+    @model_validator(mode="after")
+    def _honourable(self) -> ResponsesRequest:
+        """Settings the served models have no knob for are refused, each naming what there is instead."""
+        if self.include:
+            raise APIError(400, f"include {self.include}: lmdock serve has no extra output data to include "
+                                "(logprobs, reasoning content, encrypted content); send none", param="include")
+        for key, value in (self.reasoning or {}).items():
+            if value is not None:
+                raise APIError(400, f"reasoning.{key}: the served models take no reasoning settings (a model's reasoning "
+                                    "parser is set per model in the config: [models.NAME] reasoning_parser)",
+                               param=f"reasoning.{key}")
+        self._check_metadata()
+        if self.text is not None and self.text.verbosity is not None:
+            raise APIError(400, "text.verbosity: the served models take no verbosity setting; ask in the instructions",
+                           param="text.verbosity")
+        return self
+
+    def _check_metadata(self) -> None:
+        """OpenAI's bounds on ``metadata`` (it comes back in the response and the store keeps it), and
+        text only: the chat path checks every other text, this one it never sees."""
+        metadata = self.metadata or {}
+        if len(metadata) > 16:
+            raise APIError(400, f"metadata has {len(metadata)} keys; at most 16", param="metadata")
+        for key, value in metadata.items():
+            if len(key) > 64 or len(value) > 512:
+                raise APIError(400, f"metadata.{key}: keys are at most 64 characters, values 512", param=f"metadata.{key}")
+            try:
+                (key + value).encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(400, "metadata holds a lone UTF-16 surrogate (such as \\ud800), which is not text: "
+                                    "send valid Unicode", param="metadata") from None
+
+    def chat(self, history: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+        """This request as a chat request over ``history`` (the conversation so far, this input included)."""
+        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        chat: dict[str, Any] = {"model": self.model, "messages": [*system, *history], "max_tokens": self.max_output_tokens,
+                                "temperature": self.temperature, "top_p": self.top_p, "user": self.user}
+        if self.tools or self.tool_choice is not None or self.parallel_tool_calls is not None:
+            chat.update(tools=chat_tools(self.tools or []) or None, parallel_tool_calls=self.parallel_tool_calls,
+                        tool_choice=None if self.tool_choice is None else chat_tool_choice(self.tool_choice))
+        if self.text is not None and self.text.format is not None:
+            chat["response_format"] = chat_response_format(self.text.format)
+        return chat
+
+
+@router.post("/v1/responses")
+async def create(body: ResponsesRequest, request: Request) -> Response:
+    st = state_of(request)
+    name = st.model(body.model).name
+    store = _store(request)
+    history = (*_previous(store, body.previous_response_id), *input_messages(body.input))
+    if not history:
+        raise APIError(400, "input is empty: give a string or at least one item", param="input")
+    turn = _Turn(body, name, history, store)
+    run = await start_chat(body.chat(history), request, NAMES, body.stream)
+    if body.stream:
+        seq = EventSequence()
+        return typed_sse(request, run, turn.events(run.chunks(), seq), seq.error)
+    return JSONResponse(turn.whole(await run.whole()))
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve(response_id: str, request: Request) -> dict[str, Any]:
+    return _stored(request, response_id).response
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete(response_id: str, request: Request) -> dict[str, Any]:
+    _stored(request, response_id)
+    _store(request).delete(response_id)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+def _store(request: Request) -> ResponseStore:
+    """The app's response store, made on first use."""
+    store = getattr(request.app.state, "responses", None)
+    if store is None:
+        store = request.app.state.responses = ResponseStore()
+    return store  # type: ignore[no-any-return]
+
+
+def _stored(request: Request, response_id: str) -> Stored:
+    found = _store(request).get(response_id)
+    if found is None:
+        raise APIError(404, f"response {response_id!r} is not stored here (sent with store: false, or one of the "
+                            "server's oldest, past the store's bound, or before a restart)", param="response_id")
+    return found
+
+
+def _previous(store: ResponseStore, response_id: str | None) -> tuple[dict[str, Any], ...]:
+    if response_id is None:
+        return ()
+    found = store.get(response_id)
+    if found is None:
+        raise APIError(400, f"previous response {response_id!r} is not stored here (sent with store: false, or one of "
+                            "the server's oldest, past the store's bound, or before a restart): send the conversation "
+                            "in input instead", param="previous_response_id")
+    return found.history
+
+
+def _usage(chat_usage: dict[str, int] | None) -> dict[str, Any] | None:
+    if chat_usage is None:
+        return None
+    p, c = chat_usage["prompt_tokens"], chat_usage["completion_tokens"]
+    return {"input_tokens": p, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": c, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + c}
+
+
+class _Turn:
+    """One response: its id, its object (whole or as events), and its place in the store."""
+
+    def __init__(self, body: ResponsesRequest, model: str, history: tuple[dict[str, Any], ...], store: ResponseStore) -> None:
+        self.body, self.model, self.history, self.store = body, model, history, store
+        self.id = new_id("resp")
+        self.created = int(time.time())
+
+    def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+        b = self.body
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": self.model,
+                "output": output, "parallel_tool_calls": b.parallel_tool_calls is not False,
+                "previous_response_id": b.previous_response_id, "reasoning": None, "store": b.store,
+                "temperature": b.temperature, "top_p": b.top_p,
+                "text": {"format": (b.text.format if b.text and b.text.format else {"type": "text"})},
+                "tool_choice": b.tool_choice if b.tool_choice is not None else "auto", "tools": b.tools or [],
+                "truncation": "disabled", "usage": _usage(usage), "user": b.user, "metadata": b.metadata or {}}
+
+    def finish(self, status: str, output: list[dict[str, Any]], usage: dict[str, int] | None,
+               message: dict[str, Any]) -> dict[str, Any]:
+        """The finished response, kept with its conversation (chat's assistant ``message`` last)
+        unless the request said ``store: false``."""
+        final = self.response(status, output, usage)
+        if self.body.store:
+            self.store.put(self.id, Stored(final, (*self.history, assistant(message))))
+        return final
+
+    def whole(self, completion: dict[str, Any]) -> dict[str, Any]:
+        choice = completion["choices"][0]
+        status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+        return self.finish(status, output_items(choice["message"], status), completion.get("usage"), choice["message"])
+
+    async def events(self, chunks: AsyncIterator[dict[str, Any]], seq: EventSequence) -> AsyncIterator[dict[str, Any]]:
+        """The chat chunks as the Responses API's event sequence (numbered by ``seq``)."""
+        yield seq.event("response.created", response=self.response("in_progress", [], None))
+        yield seq.event("response.in_progress", response=self.response("in_progress", [], None))
+        async for chunk in chunks:
+            for event in seq.chunk(chunk):
+                yield event
+        for event in seq.end():
+            yield event
+        final = self.finish(seq.status, seq.output, seq.usage, seq.message)
+        yield seq.event(f"response.{seq.status}", response=final)

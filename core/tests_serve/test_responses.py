@@ -1,0 +1,354 @@
+"""OpenAI's Responses API (``client.responses``) against a running ``lmdock serve`` (stories260K on
+hf, loopback), built on the chat path: the same prompt and greedy text as ``/v1/chat/completions``.
+
+The server's template renders each message on its own line and the tools' names (a Hermes-style
+``<tool_call>`` template, so the parser is recognized from it); a forced ``tool_choice`` is what
+makes this model call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from typing import Annotated
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import Field
+from serve_helpers import Server, models_dir
+
+TEMPLATE = (
+    "{{ bos_token }}{% if tools %}Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}. Call one as "
+    "<tool_call>.\n{% endif %}{% for m in messages %}{% if m.role == 'tool' %}Result {{ m.tool_call_id }}: {{ m.content }}\n"
+    "{% elif m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function.name }}</tool_call>{% endfor %}\n"
+    "{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt and (enable_thinking is not defined or enable_thinking) %}<think>\n{% endif %}"
+)
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
+           "additionalProperties": False}
+TOOL = {"type": "function", "name": "get_weather", "description": "the weather", "parameters": WEATHER}
+FORCED = {"type": "function", "name": "get_weather"}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("responses")
+    (tmp / "template.jinja").write_text(TEMPLATE, encoding="utf-8")
+    thinker = (f'[models.thinker]\nmodel = "{models_dir()}"\nbackend = "hf"\nreasoning_parser = "think"\n'
+               '[models.thinker.sampling]\ntemperature = 0.0\nmax_new_tokens = 40\n')
+    s = Server(tmp, args=("--chat-template", str(tmp / "template.jinja"), "--model", "stories", "--model", "thinker"),
+               extra_models=thinker)
+    yield s
+    s.stop()
+
+
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_text_is_the_chat_paths_text(served: Server) -> None:
+    c = client(served)
+    r = c.responses.create(model="stories", input="Once upon a time", max_output_tokens=20, temperature=0)
+    chat = c.chat.completions.create(model="stories", messages=[{"role": "user", "content": "Once upon a time"}], max_tokens=20,
+                                     temperature=0)
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == "stories"
+    assert r.output_text == chat.choices[0].message.content and len(r.output_text) > 10
+    (item,) = r.output
+    assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, 20)
+    assert r.usage.total_tokens == r.usage.input_tokens + 20
+    # cut by max_output_tokens: incomplete, saying why
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+
+
+def test_input_items_and_instructions_make_the_chat_messages(served: Server) -> None:
+    c = client(served)
+    items = [{"role": "developer", "content": "Be brief."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Once upon"}, {"type": "input_text", "text": "a time"}]}]
+    r = c.responses.create(model="stories", input=items, instructions="Tell a story.", max_output_tokens=8)
+    messages = [{"role": "system", "content": "Tell a story."}, {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Once upon\na time"}]
+    chat = c.chat.completions.create(model="stories", messages=messages, max_tokens=8)  # type: ignore[arg-type]
+    assert r.output_text == chat.choices[0].message.content
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.instructions == "Tell a story."
+
+
+def test_streamed_events_come_in_openais_order(served: Server) -> None:
+    c = client(served)
+    events = list(c.responses.create(model="stories", input="Once upon a time", max_output_tokens=20, stream=True))
+    whole = c.responses.create(model="stories", input="Once upon a time", max_output_tokens=20)
+    kinds = [e.type for e in events]
+    deltas = kinds.count("response.output_text.delta")
+    assert deltas > 2
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+                     *["response.output_text.delta"] * deltas, "response.output_text.done", "response.content_part.done",
+                     "response.output_item.done", "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text
+    done = [e for e in events if e.type == "response.output_text.done"][0]
+    assert done.text == text and done.item_id == events[2].item.id
+    final = events[-1].response
+    assert final.output_text == text and final.usage.output_tokens == 20 and final.status == "incomplete"
+    assert events[0].response.status == "in_progress" and events[0].response.id == final.id
+
+
+def test_previous_response_id_continues_the_conversation(served: Server) -> None:
+    c = client(served)
+    first = c.responses.create(model="stories", input="Once upon a time", max_output_tokens=12)
+    second = c.responses.create(model="stories", input="Then", previous_response_id=first.id, max_output_tokens=5)
+    alone = c.responses.create(model="stories", input="Then", max_output_tokens=5)
+    # the second prompt holds the first turn: its input and its output, then the new input
+    history = [{"role": "user", "content": "Once upon a time"}, {"role": "assistant", "content": first.output_text},
+               {"role": "user", "content": "Then"}]
+    chat = c.chat.completions.create(model="stories", messages=history, max_tokens=5)  # type: ignore[arg-type]
+    assert second.usage.input_tokens == chat.usage.prompt_tokens > alone.usage.input_tokens + first.usage.output_tokens
+    assert second.output_text == chat.choices[0].message.content
+    assert second.previous_response_id == first.id
+    # a chain goes on, and the stored response reads back
+    third = c.responses.create(model="stories", input="And", previous_response_id=second.id, max_output_tokens=3)
+    assert third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
+    assert c.responses.retrieve(first.id).output_text == first.output_text
+
+
+def test_a_streamed_response_is_stored_too(served: Server) -> None:
+    c = client(served)
+    events = list(c.responses.create(model="stories", input="Once upon a time", max_output_tokens=6, stream=True))
+    first = events[-1].response
+    assert c.responses.retrieve(first.id).output_text == first.output_text
+    second = c.responses.create(model="stories", input="Then", previous_response_id=first.id, max_output_tokens=2)
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+
+
+def test_store_false_keeps_nothing_and_delete_forgets(served: Server) -> None:
+    c = client(served)
+    kept = c.responses.create(model="stories", input="Once", max_output_tokens=2)
+    gone = c.responses.create(model="stories", input="Once", max_output_tokens=2, store=False)
+    assert gone.store is False
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model="stories", input="Then", previous_response_id=gone.id, max_output_tokens=2)
+    assert e.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(gone.id)
+    c.responses.delete(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(kept.id)
+
+
+def test_json_schema_text_format_constrains_the_output_which_completes(served: Server) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"],
+              "additionalProperties": False}
+    fmt = {"format": {"type": "json_schema", "name": "n", "schema": schema}}
+    c = client(served)
+    r = c.responses.create(model="stories", input="Once upon a time", max_output_tokens=60, text=fmt)  # type: ignore[arg-type]
+    jsonschema.validate(json.loads(r.output_text), schema)
+    # the constrained text ends itself (before max_output_tokens): completed
+    events = list(c.responses.create(model="stories", input="Once upon a time", max_output_tokens=60, text=fmt, stream=True))  # type: ignore[arg-type]
+    assert events[-1].type == "response.completed" and events[-1].response.status == "completed"
+    assert events[-1].response.output_text == r.output_text and events[-1].response.incomplete_details is None
+    assert events[-1].response.text.format.type == "json_schema"
+
+
+def test_what_it_cannot_honour_is_a_400_naming_it(served: Server) -> None:
+    c = client(served)
+    cases = [
+        ({"input": "x", "extra_body": {"max_token": 3}}, "max_token", "did you mean 'max_output_tokens'"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input.0.content.0.type", "input_image"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type", "item_reference"),
+        ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]}, "input.0.encrypted_content", "encrypted"),
+        ({"input": [{"role": "user", "content": "x", "colour": 1}]}, "input.0.colour", "colour"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type", "function tools only"),
+        ({"input": "x", "max_output_tokens": 5000}, "max_output_tokens", "at most"),
+        ({"input": []}, "input", "empty"),
+        ({"input": "x", "truncation": "auto"}, "truncation", "disabled"),
+        ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", "no extra output"),
+        ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning.effort", "reasoning_parser"),
+        ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16"),
+    ]
+    for kw, param, words in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.responses.create(model="stories", **kw)  # type: ignore[call-overload]
+        assert e.value.body["param"] == param, kw  # type: ignore[index]
+        assert words in e.value.body["message"], kw  # type: ignore[index]
+
+
+def test_errors_have_openais_shape(served: Server) -> None:
+    r = httpx.post(f"{served.url}/v1/responses", json={"model": "nope", "input": "x"})
+    assert r.status_code == 404
+    assert r.json()["error"]["type"] == "not_found_error" and "stories" in r.json()["error"]["message"]
+    # metadata comes back in the response: a lone surrogate in it is a 400 before any work, not a 500 after
+    r = httpx.post(f"{served.url}/v1/responses", content=b'{"input": "x", "metadata": {"k": "\\ud800"}}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "metadata" and "surrogate" in r.json()["error"]["message"]
+
+
+def _valid_call(item: object) -> dict[str, object]:
+    """A function_call output item, its arguments parsed and checked against the tool's schema."""
+    assert item.type == "function_call" and item.name == "get_weather" and item.call_id.startswith("call_")  # type: ignore[attr-defined]
+    args = json.loads(item.arguments)  # type: ignore[attr-defined]
+    jsonschema.validate(args, WEATHER)
+    return args  # type: ignore[no-any-return]
+
+
+def test_a_named_function_is_called_with_valid_arguments(served: Server) -> None:
+    r = client(served).responses.create(model="stories", input="Once upon a time", tools=[TOOL], tool_choice=FORCED,  # type: ignore[list-item, arg-type]
+                                        max_output_tokens=100)
+    (item,) = r.output
+    _valid_call(item)
+    assert r.status == "completed" and item.status == "completed"  # type: ignore[union-attr]
+    assert r.tools[0].name == "get_weather" and r.tool_choice.name == "get_weather"  # type: ignore[union-attr]
+
+
+def test_function_call_output_follows_up_by_id_or_by_items(served: Server) -> None:
+    c = client(served)
+    first = c.responses.create(model="stories", input="Once upon a time", tools=[TOOL], tool_choice=FORCED, max_output_tokens=100)  # type: ignore[list-item, arg-type]
+    call = first.output[0]
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}  # type: ignore[union-attr]
+    by_id = c.responses.create(model="stories", previous_response_id=first.id, input=[result], tools=[TOOL], tool_choice="none",  # type: ignore[list-item]
+                               max_output_tokens=10)
+    items = [{"role": "user", "content": "Once upon a time"}, call.model_dump(exclude_none=True), result]
+    by_items = c.responses.create(model="stories", input=items, tools=[TOOL], tool_choice="none", max_output_tokens=10)  # type: ignore[arg-type, list-item]
+    # the same conversation as chat messages: the call as the assistant's tool_calls, its output a tool message
+    messages = [{"role": "user", "content": "Once upon a time"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": call.call_id, "type": "function",  # type: ignore[union-attr]
+                                                                     "function": {"name": "get_weather", "arguments": call.arguments}}]},  # type: ignore[union-attr]
+                {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}]  # type: ignore[union-attr]
+    chat = c.chat.completions.create(model="stories", messages=messages, tools=[{"type": "function", "function": {  # type: ignore[arg-type, list-item]
+        "name": "get_weather", "description": "the weather", "parameters": WEATHER}}], tool_choice="none", max_tokens=10)
+    assert by_id.usage.input_tokens == by_items.usage.input_tokens == chat.usage.prompt_tokens
+    assert by_id.usage.input_tokens > first.usage.input_tokens + 5  # the call and "Result call_...: sunny"
+    assert by_id.output_text == by_items.output_text == chat.choices[0].message.content
+    assert by_id.output[0].type == "message"
+
+
+def test_a_streamed_call_comes_as_argument_deltas(served: Server) -> None:
+    c = client(served)
+    events = list(c.responses.create(model="stories", input="Once upon a time", tools=[TOOL], tool_choice=FORCED,  # type: ignore[list-item, arg-type]
+                                     max_output_tokens=100, stream=True))
+    whole = c.responses.create(model="stories", input="Once upon a time", tools=[TOOL], tool_choice=FORCED, max_output_tokens=100)  # type: ignore[list-item, arg-type]
+    kinds = [e.type for e in events]
+    deltas = kinds.count("response.function_call_arguments.delta")
+    assert deltas > 1
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     *["response.function_call_arguments.delta"] * deltas, "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"]
+    added, done = events[2].item, events[-2].item
+    assert added.type == "function_call" and added.status == "in_progress" and added.arguments == ""
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert events[-3].arguments == arguments == done.arguments
+    assert _valid_call(done) == json.loads(whole.output[0].arguments)  # type: ignore[union-attr]
+    assert done.call_id == added.call_id and events[-1].response.output[0].call_id == added.call_id
+
+
+def test_tool_choice_none_writes_text(served: Server) -> None:
+    r = client(served).responses.create(model="stories", input="Once upon a time", tools=[TOOL], tool_choice="none",  # type: ignore[list-item]
+                                        max_output_tokens=10)
+    assert [item.type for item in r.output] == ["message"] and r.output_text
+
+
+def test_an_openai_agents_sdk_agent_runs_its_tool_to_completion(served: Server) -> None:
+    # The Agents SDK speaks the Responses API.  Forced, this model calls; the agent runs the tool and,
+    # told to stop on its first tool, finishes with the tool's result (left to go on, this model writes
+    # until max_output_tokens, which the SDK takes as a failed turn).
+    agents = pytest.importorskip("agents", reason="openai-agents is in the serve env (scripts/test.sh)")
+    from openai import AsyncOpenAI
+
+    agents.set_tracing_disabled(True)
+    cities: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: Annotated[str, Field(max_length=10)]) -> str:
+        """The weather in a city."""
+        cities.append(city)
+        return f"sunny in {city}"
+
+    def agent() -> object:  # a client per event loop: the SDK's async client is bound to the loop it first ran on
+        model = agents.OpenAIResponsesModel(model="stories", openai_client=AsyncOpenAI(base_url=f"{served.url}/v1",
+                                                                                       api_key="unused", max_retries=0))
+        return agents.Agent(name="teller", instructions="Tell a story.", tools=[get_weather], model=model,
+                            tool_use_behavior="stop_on_first_tool",
+                            model_settings=agents.ModelSettings(tool_choice="get_weather", parallel_tool_calls=False, max_tokens=200))
+
+    result = agents.Runner.run_sync(agent(), "Once upon a time", max_turns=2)
+    (city,) = cities
+    assert len(city) <= 10
+    assert result.final_output == f"sunny in {city}"
+    kinds = [type(item).__name__ for item in result.new_items]
+    assert kinds == ["ToolCallItem", "ToolCallOutputItem"]
+
+    async def streamed() -> tuple[object, list[str]]:  # the SDK reading our event stream
+        run = agents.Runner.run_streamed(agent(), "Once upon a time", max_turns=2)
+        kinds = [e.data.type async for e in run.stream_events() if e.type == "raw_response_event"]
+        return run.final_output, kinds
+
+    final, events = asyncio.run(streamed())
+    assert final == result.final_output and events[-1] == "response.completed"
+    assert "response.function_call_arguments.delta" in events
+
+
+def test_a_reasoning_model_answers_with_a_reasoning_item(served: Server) -> None:
+    # "thinker" is stories260K with the think reasoning parser; the template opens <think> (as Qwen3's
+    # does), and this model never closes it: all its text is reasoning
+    c = client(served)
+    r = c.responses.create(model="thinker", input="Once upon a time", max_output_tokens=20)
+    ref = c.chat.completions.create(model="thinker", messages=[{"role": "user", "content": "Once upon a time"}], max_tokens=20)
+    (item,) = r.output
+    assert item.type == "reasoning" and item.content[0].type == "reasoning_text"  # type: ignore[union-attr, index]
+    assert item.content[0].text == ref.choices[0].message.reasoning_content  # type: ignore[union-attr, index, attr-defined]
+    events = list(c.responses.create(model="thinker", input="Once upon a time", max_output_tokens=20, stream=True))
+    kinds = [e.type for e in events]
+    deltas = kinds.count("response.reasoning_text.delta")
+    assert deltas > 2
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+                     *["response.reasoning_text.delta"] * deltas, "response.reasoning_text.done", "response.content_part.done",
+                     "response.output_item.done", "response.incomplete"]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == item.content[0].text  # type: ignore[union-attr, index]
+    # the reasoning item goes back as input (as the Agents SDK sends it), or through the store: one conversation
+    by_id = c.responses.create(model="thinker", input="Then", previous_response_id=r.id, max_output_tokens=2)
+    items = [{"role": "user", "content": "Once upon a time"}, item.model_dump(exclude_none=True), {"role": "user", "content": "Then"}]
+    by_items = c.responses.create(model="thinker", input=items, max_output_tokens=2)  # type: ignore[arg-type]
+    assert by_id.usage.input_tokens == by_items.usage.input_tokens
+
+
+def test_a_client_gone_mid_stream_aborts_the_request(served: Server) -> None:
+    # a schema whose string takes hundreds of tokens keeps the request running (this API has no ignore_eos)
+    long = {"type": "object", "properties": {"s": {"type": "string", "minLength": 400}}, "required": ["s"]}
+    body = {"model": "stories", "input": "Once", "max_output_tokens": 480, "stream": True,
+            "text": {"format": {"type": "json_schema", "name": "long", "schema": long}}}
+    before = finished_by_length(served)
+    with httpx.Client(timeout=60) as http, http.stream("POST", f"{served.url}/v1/responses", json=body) as r:
+        lines = r.iter_lines()
+        assert next(lines) == "event: response.created"
+        assert served.stats()["num_sequences_held"] > 0
+    deadline = time.monotonic() + 60
+    while (served.stats()["num_sequences_held"] or served.stats()["in_flight"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stats = served.stats()
+    assert stats["num_sequences_held"] == 0 and stats["in_flight"] == 0, stats
+    # aborted, not run to its max tokens: no request finished by length meanwhile
+    assert finished_by_length(served) == before
+
+
+def finished_by_length(server: Server) -> float:
+    """``lmdock:request_success_total`` of requests that ran to their max tokens."""
+    text = httpx.get(f"{server.url}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("lmdock:request_success_total{") and 'finished_reason="length"' in line)
+
+
+def test_the_store_is_bounded_least_recently_used_first_out() -> None:
+    from lmdock.server._response_store import MAX_STORED, ResponseStore, Stored
+
+    assert MAX_STORED == 1024  # as docs/server.md says
+    store = ResponseStore(limit=2)
+    for name in ("a", "b"):
+        store.put(name, Stored({"id": name}, ()))
+    assert store.get("a") is not None  # "a" used: "b" is now the least recently used
+    store.put("c", Stored({"id": "c"}, ()))
+    assert [k for k in ("a", "b", "c") if store.get(k) is not None] == ["a", "c"]
+    assert store.delete("a") and not store.delete("a")
