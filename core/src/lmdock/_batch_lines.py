@@ -34,6 +34,12 @@ FIELDS = {
                              "chat_template_kwargs", "add_generation_prompt", "continue_final_message"},
     "/v1/embeddings": {"input", "encoding_format", "dimensions", "truncate_prompt_tokens"},
 }
+#: Fields the server takes that a batch line does not, and what to do instead.
+REFUSED = {
+    "echo": "echo is not supported by lmdock batch (it writes only the generated text): prepend the prompt yourself, "
+            "or score a prompt with lmdock serve's /v1/completions (echo with max_tokens 0)",
+    "chat_template": "a line cannot carry its own chat template: pass --chat-template FILE to lmdock batch",
+}
 _RECORD_KEYS = ("custom_id", "method", "url", "body")
 _SHOWN = 5  # file problems listed in the error; the rest are counted
 
@@ -123,6 +129,8 @@ def parse_request(line: Line) -> Request:
     url, body = endpoint(line.record)
     known = FIELDS[url] | IGNORED | (set() if url == "/v1/embeddings" else set(OPENAI_FIELDS))
     for key, value in body.items():
+        if value is not None and key in REFUSED:
+            raise LineError("invalid_request", REFUSED[key])
         if value is not None and key not in known:
             raise LineError("invalid_request", f"body field {key!r} is not supported for {url}{_hint(key, known)}")
     if url == "/v1/embeddings":

@@ -151,6 +151,7 @@ def test_batch_structured_output_fields_as_the_server_maps_them(tmp_path: Path) 
         {"custom_id": "two", "body": {"prompt": PROMPT, "guided_regex": "a", "guided_choice": ["a"]}},
         {"custom_id": "bad-key", "body": {"prompt": PROMPT, "structured_outputs": {"whitespace_pattern": " "}}},
         {"custom_id": "text-format", "body": {"prompt": PROMPT, "response_format": {"type": "json_object"}}},
+        {"custom_id": "echo", "body": {"prompt": PROMPT, "echo": True}},
     ]
     code, out = _run(tmp_path, lines, "-m", model, "--backend", "hf", "--chat-template", str(template))
     assert code == 1
@@ -173,3 +174,4 @@ def test_batch_structured_output_fields_as_the_server_maps_them(tmp_path: Path) 
     assert "guided_regex and guided_choice" in out["two"]["error"]["message"]
     assert "structured_outputs.whitespace_pattern" in out["bad-key"]["error"]["message"]
     assert "response_format" in out["text-format"]["error"]["message"]  # a chat field, refused on completions
+    assert "echo is not supported by lmdock batch" in out["echo"]["error"]["message"]
