@@ -1,10 +1,12 @@
 """instructor's and LangChain's structured output against a real ``lmdock serve`` (stories260K on hf):
 each returns a valid object of the Pydantic model it was given.
 
-Both send the model's JSON schema without ``strict`` and without ``additionalProperties`` (LangChain
-sends ``strict`` only when asked), and ``age: int`` unbounded: lmdock closes the listed object and
-keeps the integer in ±(2**53 - 1) (docs/structured-output.md), so even this tiny model finishes the
-object within its budget."""
+instructor's JSON_SCHEMA mode sends the model's JSON schema without ``strict`` and without
+``additionalProperties``; LangChain sends ``strict: true`` and ``additionalProperties: false``. Both
+leave ``age: int`` unbounded. lmdock closes the listed object and keeps the integer within
+±(2**53 - 1) (docs/structured-output.md), so even this tiny model finishes the object within its
+budget (without that, both end at the length limit: instructor's on keys and digits, LangChain's on
+digits)."""
 
 from __future__ import annotations
 
