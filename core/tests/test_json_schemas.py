@@ -34,6 +34,7 @@ def test_bounded_numbers_fill_only_missing_bounds() -> None:
     assert p["low"] == {"type": "integer", "minimum": 0, "maximum": SAFE_INTEGER}
     assert p["n"]["multipleOf"] == 1e-9 and p["n"]["maximum"] == SAFE_INTEGER
     assert p["big"] == {"type": "integer", "minimum": 2**60}  # no maximum below its minimum
+    assert bounded_numbers({"type": "integer", "minimum": 1, "exclusiveMinimum": True})["maximum"] == SAFE_INTEGER  # draft 4
     assert p["step"] == {"type": "number", "multipleOf": 0.5, "exclusiveMaximum": 3, "minimum": -SAFE_INTEGER}
 
 

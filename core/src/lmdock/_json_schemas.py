@@ -47,6 +47,11 @@ def _is(schema: dict[str, Any], kind: str) -> bool:
     return t == kind or (isinstance(t, list) and kind in t)
 
 
+def _number(value: Any) -> bool:
+    """A bound's value (draft 4's boolean ``exclusiveMinimum`` is not one)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def strict_schema(schema: Any) -> Any:
     """OpenAI's strict mode: every object schema takes no properties beyond its own
     (``additionalProperties: false`` unless it says otherwise) and requires all of them."""
@@ -84,8 +89,8 @@ def bounded_numbers(schema: Any) -> Any:
     def bound(s: dict[str, Any], _: bool) -> dict[str, Any]:
         if not (_is(s, "integer") or _is(s, "number")):
             return s
-        low = max((s[k] for k in ("minimum", "exclusiveMinimum") if isinstance(s.get(k), (int, float))), default=None)
-        high = min((s[k] for k in ("maximum", "exclusiveMaximum") if isinstance(s.get(k), (int, float))), default=None)
+        low = max((s[k] for k in ("minimum", "exclusiveMinimum") if _number(s.get(k))), default=None)
+        high = min((s[k] for k in ("maximum", "exclusiveMaximum") if _number(s.get(k))), default=None)
         if low is None and (high is None or high > -SAFE_INTEGER):
             s["minimum"] = -SAFE_INTEGER
         if high is None and (low is None or low < SAFE_INTEGER):
