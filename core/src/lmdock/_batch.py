@@ -123,7 +123,8 @@ class _Runner:
             return pool.submit(llm.embed, embedding_prompts(body["input"]), pooling)
         params = llm.sampling_params(sampling_overrides(request))
         if request.url == "/v1/chat/completions":
-            text = llm.render_chat(body["messages"], self.chat_template)
+            text = llm.render_chat(body["messages"], self.chat_template, body.get("add_generation_prompt", True),
+                                   bool(body.get("continue_final_message")), body.get("chat_template_kwargs"))
             prompt: Any = llm.tokenizer.encode(text, add_special_tokens=False)  # the template wrote BOS
         else:
             prompt = body["prompt"]

@@ -20,16 +20,25 @@ from lmdock._errors import ConfigError
 from lmdock._openai_embeddings import ENCODING_FORMATS, embedding_prompts
 from lmdock._params import OPENAI_FIELDS
 from lmdock._prompts import non_text_part
+from lmdock._structured_fields import GUIDED, FieldRefused, structured_output
 
 #: Each endpoint, and the body field that holds its input.
 URLS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages", "/v1/embeddings": "input"}
 #: Body fields accepted and not used: the model is the command's (-m), the output is never streamed.
 IGNORED = {"model", "user", "stream"}
-#: The fields each endpoint's body takes besides IGNORED (and, for generation, OPENAI_FIELDS).
+#: The fields each endpoint's body takes besides IGNORED (and, for generation, OPENAI_FIELDS); the
+#: output constraints are the server's (lmdock._structured_fields), chat's template fields its too.
 FIELDS = {
-    "/v1/completions": {"prompt", "logprobs"},
-    "/v1/chat/completions": {"messages", "logprobs", "top_logprobs"},
+    "/v1/completions": {"prompt", "logprobs", *GUIDED, "structured_outputs"},
+    "/v1/chat/completions": {"messages", "logprobs", "top_logprobs", *GUIDED, "structured_outputs", "response_format",
+                             "chat_template_kwargs", "add_generation_prompt", "continue_final_message"},
     "/v1/embeddings": {"input", "encoding_format", "dimensions", "truncate_prompt_tokens"},
+}
+#: Fields the server takes that a batch line does not, and what to do instead.
+REFUSED = {
+    "echo": "echo is not supported by lmdock batch (it writes only the generated text): prepend the prompt yourself, "
+            "or score a prompt with lmdock serve's /v1/completions (echo with max_tokens 0)",
+    "chat_template": "a line cannot carry its own chat template: pass --chat-template FILE to lmdock batch",
 }
 _RECORD_KEYS = ("custom_id", "method", "url", "body")
 _SHOWN = 5  # file problems listed in the error; the rest are counted
@@ -55,11 +64,12 @@ class Line:
 @dataclass
 class Request:
     """What one line asks for: its endpoint, its body, and for generation the logprobs it wants
-    (None: none; else how many top alternatives per token)."""
+    (None: none; else how many top alternatives per token) and the ``structured_output`` it asks for."""
 
     url: str
     body: dict[str, Any]
     logprobs: int | None = None
+    structured: dict[str, Any] | None = None
 
 
 def read_lines(src: Path) -> list[Line]:
@@ -119,6 +129,8 @@ def parse_request(line: Line) -> Request:
     url, body = endpoint(line.record)
     known = FIELDS[url] | IGNORED | (set() if url == "/v1/embeddings" else set(OPENAI_FIELDS))
     for key, value in body.items():
+        if value is not None and key in REFUSED:
+            raise LineError("invalid_request", REFUSED[key])
         if value is not None and key not in known:
             raise LineError("invalid_request", f"body field {key!r} is not supported for {url}{_hint(key, known)}")
     if url == "/v1/embeddings":
@@ -126,9 +138,14 @@ def parse_request(line: Line) -> Request:
         return Request(url, body)
     if url == "/v1/chat/completions":
         check_messages(body["messages"])
+        check_template_fields(body)
     else:
         body = {**body, "prompt": one_prompt(body["prompt"])}
-    return Request(url, body, logprobs_wanted(url, body))
+    try:
+        structured = structured_output(body)
+    except FieldRefused as exc:
+        raise LineError("invalid_request", str(exc)) from None
+    return Request(url, body, logprobs_wanted(url, body), structured)
 
 
 def endpoint(record: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -183,7 +200,21 @@ def sampling_overrides(request: Request) -> dict[str, Any]:
     out = {OPENAI_FIELDS[k]: v for k, v in request.body.items() if k in OPENAI_FIELDS and v is not None}
     if request.logprobs is not None:
         out["logprobs"] = request.logprobs
+    if request.structured is not None:
+        out["structured_output"] = request.structured
     return out
+
+
+def check_template_fields(body: dict[str, Any]) -> None:
+    """Chat's template fields, as the server takes them (``lmdock.LLM.render_chat`` applies them)."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise LineError("invalid_request", "chat_template_kwargs is an object (names the template reads -> values)")
+    for name in ("add_generation_prompt", "continue_final_message"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise LineError("invalid_request", f"{name} is true or false")
+    if body.get("continue_final_message") and body.get("add_generation_prompt", True):
+        raise LineError("invalid_request", "continue_final_message needs add_generation_prompt: false")
 
 
 def check_messages(messages: Any) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lmdock._cli_parser import Parser
+from lmdock._cli_sampling import add_sampling_args, sampling_overrides
 from lmdock._errors import LmdockError
 
 
@@ -88,7 +89,7 @@ def _parser() -> Parser:
     g = sub.add_parser("generate", help="generate text for prompts")
     _model_args(g)
     g.add_argument("prompts", nargs="+", metavar="PROMPT")
-    _sampling_args(g)
+    add_sampling_args(g)
     g.add_argument("--stream", action="store_true",
                    help="print text as it is generated (with several prompts or -n > 1, each completion is labelled)")
     g.add_argument("--json", action="store_true",
@@ -100,7 +101,7 @@ def _parser() -> Parser:
     c.add_argument("message", nargs="?", help="the user message; omit for an interactive session")
     c.add_argument("--system", help="a system message")
     c.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file (for a model that has none)")
-    _sampling_args(c)
+    add_sampling_args(c)
     c.add_argument("--stream", action="store_true", help="print the reply as it is generated")
     c.add_argument("--json", action="store_true", help="print the outputs as JSON (with --stream: JSON lines)")
     c.set_defaults(func=cmd_chat)
@@ -177,26 +178,6 @@ def _model_args(p: Parser) -> None:
     p.add_argument("-m", "--model", help="model name in the config file, a local path or a hub id (default: the config's default model)")
     p.add_argument("--config", help="config file (default: $LMDOCK_CONFIG, ./lmdock.toml, ~/.config/lmdock/lmdock.toml)")
     p.add_argument("--backend", help="backend name or 'auto' (overrides the config file)")
-
-
-def _sampling_args(p: Parser) -> None:
-    p.add_argument("--max-new-tokens", "--max-tokens", type=int, dest="max_new_tokens",
-                   help="tokens to generate at most (--max-tokens: OpenAI's and vLLM's name for it)")
-    p.add_argument("--min-new-tokens", type=int)
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--min-p", type=float)
-    p.add_argument("--repetition-penalty", type=float)
-    p.add_argument("--seed", type=int)
-    p.add_argument("-n", type=int, dest="n", help="completions per prompt")
-    p.add_argument("--stop", action="append", help="a stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true", default=None)
-
-
-def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "n", "stop", "ignore_eos")
-    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
 def _llm(args: argparse.Namespace) -> Any:
@@ -279,7 +260,7 @@ def _version() -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     with _llm(args) as llm:
-        params = llm.sampling_params(_overrides(args))
+        params = llm.sampling_params(sampling_overrides(args))
         labelled = len(args.prompts) > 1 or params.n > 1
         if args.stream:
             printer = _StreamPrinter(labelled, args.json, len(args.prompts), params.n)
@@ -412,7 +393,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             from lmdock._errors import RequestError
 
             raise RequestError(NO_TEMPLATE.format(model=llm.model_config.model))
-        params = llm.sampling_params(_overrides(args))
+        params = llm.sampling_params(sampling_overrides(args))
         messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
         if args.message is not None:
             messages.append({"role": "user", "content": args.message})

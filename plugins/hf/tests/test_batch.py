@@ -127,3 +127,51 @@ def test_batch_embeddings_on_a_generative_model_stop_the_run(tmp_path: Path, cap
     err = capsys.readouterr().err
     assert "line 2 (/v1/embeddings)" in err and "embed needs an embedding model" in err
     assert list(out) == ["p"]  # the line in flight finished and was written; none for the refused line
+
+
+def test_batch_structured_output_fields_as_the_server_maps_them(tmp_path: Path) -> None:
+    """guided_*, structured_outputs and response_format go through the server's mapping
+    (lmdock._structured_fields); one that cannot be honoured is that line's error, the others run."""
+    import jsonschema
+
+    model = stories_path()
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                        "{% if add_generation_prompt %}{{ suffix }}{% endif %}", encoding="utf-8")
+    schema = {"type": "object", "properties": {"pet": {"enum": ["cat", "dog"]}, "legs": {"type": "integer"}}, "required": ["pet", "legs"]}
+    messages = [{"role": "user", "content": PROMPT}]
+    base = {"max_tokens": 60, "temperature": 0}
+    lines = [
+        {"custom_id": "choice", "body": {"prompt": PROMPT, "guided_choice": ["yes", "no"], **base}},
+        {"custom_id": "regex", "body": {"prompt": PROMPT, "structured_outputs": {"regex": "[0-9]{3}"}, **base}},
+        {"custom_id": "schema", "body": {"messages": messages, **base,
+                                         "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}}},
+        {"custom_id": "kwargs", "body": {"messages": messages, "max_tokens": 5, "temperature": 0,
+                                         "chat_template_kwargs": {"suffix": " The cat"}}},
+        {"custom_id": "two", "body": {"prompt": PROMPT, "guided_regex": "a", "guided_choice": ["a"]}},
+        {"custom_id": "bad-key", "body": {"prompt": PROMPT, "structured_outputs": {"whitespace_pattern": " "}}},
+        {"custom_id": "text-format", "body": {"prompt": PROMPT, "response_format": {"type": "json_object"}}},
+        {"custom_id": "echo", "body": {"prompt": PROMPT, "echo": True}},
+    ]
+    code, out = _run(tmp_path, lines, "-m", model, "--backend", "hf", "--chat-template", str(template))
+    assert code == 1
+
+    def content(cid: str) -> str:
+        choice = out[cid]["response"]["body"]["choices"][0]
+        return choice["text"] if "text" in choice else choice["message"]["content"]
+
+    assert content("choice") in ("yes", "no")
+    assert len(content("regex")) == 3 and content("regex").isdigit()
+    data = json.loads(content("schema"))
+    jsonschema.validate(data, schema)
+    assert set(data) == {"pet", "legs"}  # objects are closed where the schema says nothing (docs/structured-output.md)
+    with LLM(model, backend="hf") as llm:
+        want = llm.chat(messages, {"max_new_tokens": 5, "temperature": 0}, chat_template=template.read_text(),
+                        chat_template_kwargs={"suffix": " The cat"})[0].outputs[0].text
+        plain = llm.chat(messages, {"max_new_tokens": 5, "temperature": 0}, chat_template=template.read_text())[0].outputs[0].text
+    assert want != plain
+    assert content("kwargs") == want  # the template read chat_template_kwargs
+    assert "guided_regex and guided_choice" in out["two"]["error"]["message"]
+    assert "structured_outputs.whitespace_pattern" in out["bad-key"]["error"]["message"]
+    assert "response_format" in out["text-format"]["error"]["message"]  # a chat field, refused on completions
+    assert "echo is not supported by lmdock batch" in out["echo"]["error"]["message"]

@@ -10,6 +10,9 @@ objects (one llguidance matcher per completion) or None when the request has no 
 - Each distinct grammar is compiled once per factory (that is, per tokenizer) and kept (least recently
   used out past :data:`CACHE_SIZE`); every completion gets a deep copy of the compiled matcher.
 - EOS is allowed exactly where the grammar accepts; the engine's EOS ids are llguidance's EOS tokens.
+- A JSON schema is compiled with what it leaves open bounded (:mod:`lmdock._json_schemas`): objects
+  that list their properties take no others unless they say so, numbers get bounds, so a model cannot
+  spend its whole budget on keys or digits; every output still validates against the schema given.
 - A whole batch's masks are filled at once by llguidance's executor (:meth:`ConstraintFactory.fill_masks`)
   and unpacked into the boolean rows :func:`lmdock._engine.constraints.apply_masks` applies.
 
@@ -28,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from lmdock._errors import RequestError
+from lmdock._json_schemas import bounded_numbers, closed_objects
 
 #: compiled grammars kept per tokenizer
 CACHE_SIZE = 128
@@ -54,7 +58,7 @@ def grammar_for(so: Any) -> tuple[str, str]:
     schema = so.json_schema()
     if schema is not None:
         try:
-            return "json", M.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+            return "json", M.grammar_from_json_schema(bounded_numbers(closed_objects(schema)), defaults=JSON_DEFAULTS)
         except (ValueError, TypeError) as exc:
             raise RequestError(f"structured_output.json: the schema cannot be read: {exc}") from exc
     if so.regex is not None:
