@@ -146,7 +146,7 @@ async def create(body: MessagesRequest, request: Request) -> Response:
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
     """The tokens the conversation's prompt takes, rendered as ``/v1/messages`` renders it."""
     st = state_of(request)
-    sm = st.model(body.model)
+    sm = await st.model(body.model, request)
     chat = body.chat()
     kwargs = chat.get("chat_template_kwargs")
     try:

@@ -107,7 +107,7 @@ class ResponsesRequest(StrictBody):
 @router.post("/v1/responses")
 async def create(body: ResponsesRequest, request: Request) -> Response:
     st = state_of(request)
-    name = st.model(body.model).name
+    name = (await st.model(body.model, request)).name
     store = _store(request)
     history = (*_previous(store, body.previous_response_id), *input_messages(body.input))
     if not history:
