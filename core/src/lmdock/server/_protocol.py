@@ -19,7 +19,7 @@ from lmdock._outputs import RequestOutput
 from lmdock._params import OPENAI_FIELDS
 from lmdock._prompts import non_text_part
 from lmdock.server._errors import APIError
-from lmdock.server._pool import keep_alive_seconds
+from lmdock._pool import keep_alive_seconds
 from lmdock.server._structured import structured_output
 
 
