@@ -169,7 +169,7 @@ class ModelPool:
     ``memory_budget_gib`` / ``max_loaded_models`` apply where the arguments are None.  ``models``:
     entries made elsewhere (the server's).  ``on_load(model, seconds)`` and ``on_unload(model, reason)``
     are called on the pool's worker thread after each load and unload (reason: ``evicted``,
-    ``keep_alive``, ``request``)."""
+    ``keep_alive``, ``request``, ``close``)."""
 
     def __init__(self, config: str | os.PathLike[str] | None = None, *, memory_budget_gib: float | None = None,
                  max_loaded_models: int | None = None, models: Iterable[PooledModel] = (),
