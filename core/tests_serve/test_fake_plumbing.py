@@ -127,14 +127,14 @@ def test_snapshots_waiting_together_go_out_as_one() -> None:
     import asyncio
 
     from lmdock.server._metrics import Metrics
-    from lmdock.server._pool import ModelPool
+    from lmdock.server._pool import ServedPool
     from lmdock.server._state import ServerState
     from lmdock.server._streaming import engine_stream
 
     engine = FakeStreamingEngine()
     llm = SimpleNamespace(engine=engine, make_request=lambda prompt, params, stream, add_special_tokens: SimpleNamespace(request_id="r1"))
     metrics = Metrics(lambda: {})
-    state = ServerState(models={}, settings=ServerConfig(), api_key=None, metrics=metrics, pool=ModelPool({}, ServerConfig(), metrics))
+    state = ServerState(models={}, settings=ServerConfig(), api_key=None, metrics=metrics, pool=ServedPool({}, ServerConfig(), metrics))
 
     async def run() -> list[Any]:
         return [out async for out in engine_stream(state, SimpleNamespace(llm=llm, name="fake"), "p", None)]

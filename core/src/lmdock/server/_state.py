@@ -11,7 +11,7 @@ from lmdock._errors import ConfigError
 from lmdock._params import OPENAI_FIELDS, ServerConfig
 from lmdock.server._errors import APIError, as_api_error
 from lmdock.server._metrics import Metrics
-from lmdock.server._pool import ModelPool, ServedModel
+from lmdock.server._pool import ServedModel, ServedPool
 
 
 @dataclass
@@ -22,7 +22,7 @@ class ServerState:
     settings: ServerConfig
     api_key: str | None
     metrics: Metrics
-    pool: ModelPool
+    pool: ServedPool
     draining: bool = False
 
     @property
