@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -18,9 +19,16 @@ from lmdock._config import find_config, load_config
 from lmdock._errors import ConfigError
 from lmdock._params import ServerConfig
 from lmdock.server._app import create_app
+from lmdock.server._http import uvicorn_options
 from lmdock.server._state import ServedModel
 
 log = logging.getLogger("lmdock.server")
+
+#: Seconds past shutdown_timeout that the requests cut then get to send their last words.
+CUT_GRACE = 5.0
+
+#: File descriptors kept beyond max_connections for the models, the logs and the listening socket.
+SPARE_FDS = 64
 
 
 def resolve_api_key(settings: ServerConfig, cli_key: str | None = None) -> str | None:
@@ -55,12 +63,41 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def raise_fd_limit(connections: int) -> None:
+    """Let the process hold ``connections`` sockets: raise its soft file-descriptor limit up to the hard
+    one, or warn (past the limit, accept() fails and every client is locked out, instead of a 503)."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = connections + SPARE_FDS
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        if soft < need:
+            print(f"lmdock serve: warning: the process may open {soft} files ('ulimit -n'), fewer than [server] "
+                  f"max_connections ({connections}) + {SPARE_FDS}: lower max_connections, or clients may be locked "
+                  "out instead of answered 503", file=sys.stderr, flush=True)
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server, marking the app as draining on the first signal and exiting 0 afterwards."""
 
     def __init__(self, config: uvicorn.Config, state: Any) -> None:
         super().__init__(config)
         self._lmdock = state
+
+    async def shutdown(self, sockets: list[Any] | None = None) -> None:
+        # At shutdown_timeout the streams still running end with an error event and [DONE], and the
+        # requests still waiting get 503 (ServerState.cut); uvicorn cancels what runs CUT_GRACE later.
+        cut = asyncio.get_running_loop().call_later(self._lmdock.settings.shutdown_timeout, self._lmdock.cut.set)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            cut.cancel()
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if not self._lmdock.draining:
@@ -137,10 +174,12 @@ def serve(
             host=host or settings.host,
             port=settings.port if port is None else port,
             log_level=log_level,
-            timeout_graceful_shutdown=settings.shutdown_timeout,  # type: ignore[arg-type]
+            timeout_graceful_shutdown=settings.shutdown_timeout + CUT_GRACE,  # type: ignore[arg-type]
             access_log=False,
             lifespan="off",
+            **uvicorn_options(settings),
         )
+        raise_fd_limit(settings.max_connections)
         server = _Server(uconfig, app.state.lmdock)
         if key is None and not is_loopback(uconfig.host):
             print(f"lmdock serve: warning: listening on {uconfig.host} without an API key: anyone who can reach this "
