@@ -101,7 +101,7 @@ echo "== serve: lmdock[serve] + lmdock-hf; lmdock serve with real clients (opena
 serve_t0=$(date +%s)
 sv=$(fresh_env serve)
 pipi "$sv" torch==2.13.0
-pipi "$sv" "./core[serve]" ./plugins/hf $TEST_TOOLS httpx openai "lm_eval[api]" "$EMBED"
+pipi "$sv" "./core[serve]" ./plugins/hf $TEST_TOOLS httpx openai psutil "lm_eval[api]" "$EMBED"
 echo "serve environment installed in $(( $(date +%s) - serve_t0 )) s"
 serve_t0=$(date +%s)
 t "$sv" core/tests_serve core/tests/test_import.py

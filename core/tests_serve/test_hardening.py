@@ -580,3 +580,40 @@ def test_shutdown_past_its_timeout_ends_streams_with_an_error_event_and_answers_
         assert s.proc.wait(60) == 0
     finally:
         s.stop()
+
+
+def test_memory_returns_after_a_burst_of_large_n_and_logprobs(tmp_path: Path) -> None:
+    """After a burst of n=128 and logprobs=20 requests the server's RSS comes back within 5% of its level
+    before (it stayed at the burst's peak: the KV slots a burst grew were kept, and glibc kept what
+    was freed).  The warm-up pays the one-time costs of the logprobs path first."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import psutil
+    from serve_helpers import Server
+
+    s = Server(tmp_path, "max_queue = 1024\n")
+    try:
+        proc = psutil.Process(s.proc.pid)
+        lp = {"n": 16, "max_tokens": 64, "logprobs": 20, "temperature": 1.0}
+        wide = {"n": 128, "max_tokens": 64, "temperature": 1.0}
+
+        def burst(bodies: list[dict[str, Any]]) -> None:
+            def one(body: dict[str, Any]) -> int:
+                return httpx.post(f"{s.url}/v1/completions", json={"model": "stories", "prompt": "Once upon a time", **body},
+                                  timeout=300).status_code
+
+            with ThreadPoolExecutor(8) as pool:
+                assert list(pool.map(one, bodies)) == [200] * len(bodies)
+
+        burst([lp] * 4)
+        time.sleep(3)  # idle: the server trims after a quiet second
+        before = proc.memory_info().rss
+        burst([wide] * 4 + [lp] * 4)
+        deadline = time.monotonic() + 30
+        while (after := proc.memory_info().rss) > before * 1.05 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert after <= before * 1.05, f"RSS {before >> 20} MiB before the burst, {after >> 20} MiB after"
+        assert s.stats()["num_sequences_held"] == 0
+    finally:
+        s.stop()

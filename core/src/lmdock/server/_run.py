@@ -83,12 +83,45 @@ def raise_fd_limit(connections: int) -> None:
                   "out instead of answered 503", file=sys.stderr, flush=True)
 
 
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, or None elsewhere (musl, macOS, Windows)."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
 class _Server(uvicorn.Server):
-    """uvicorn's server, marking the app as draining on the first signal and exiting 0 afterwards."""
+    """uvicorn's server, marking the app as draining on the first signal and exiting 0 afterwards, and
+    handing freed memory back to the system once it is idle."""
 
     def __init__(self, config: uvicorn.Config, state: Any) -> None:
         super().__init__(config)
         self._lmdock = state
+        self._trim = _malloc_trim()
+        self._trimmed_at = 0  # uvicorn's count of requests served at the last trim
+        self._idle_ticks = 0
+
+    async def on_tick(self, counter: int) -> bool:
+        if counter % 10 == 0:  # once a second, as uvicorn's own housekeeping
+            self._trim_when_idle()
+        return await super().on_tick(counter)
+
+    def _trim_when_idle(self) -> None:
+        # glibc keeps what a burst freed (a large n, logprobs) resident as free heap in the main and
+        # the engine threads' arenas; malloc_trim gives it back.  Once per quiet spell: after requests
+        # were served, when no model has a sequence in flight for a whole second (the engines have
+        # released their state by then), on a worker thread.
+        served = self.server_state.total_requests
+        if self._trim is None or served == self._trimmed_at or any(sm.in_flight for sm in self._lmdock.models.values()):
+            self._idle_ticks = 0
+            return
+        self._idle_ticks += 1
+        if self._idle_ticks >= 2:
+            self._trimmed_at = served
+            asyncio.get_running_loop().run_in_executor(None, self._trim, 0)
 
     async def shutdown(self, sockets: list[Any] | None = None) -> None:
         # At shutdown_timeout the streams still running end with an error event and [DONE], and the
