@@ -511,6 +511,8 @@ def test_more_headers_than_the_limit_is_a_431(limited: Any) -> None:
     headers = {f"x-h{i}": "v" for i in range(30)}
     r = httpx.get(f"{limited.url}/v1/models", headers=headers, timeout=10)
     assert r.status_code == 431 and "max_headers" in r.json()["error"]["message"]
+    r = httpx.get(f"{limited.url}/v1/models", headers={"x-big": "a" * 20000}, timeout=10)  # whole in one read
+    assert r.status_code == 431 and "max_header_bytes" in r.json()["error"]["message"]
     assert httpx.get(f"{limited.url}/v1/models", timeout=10).status_code == 200
 
 

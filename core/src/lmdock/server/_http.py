@@ -66,15 +66,18 @@ class LimitedH11Protocol(H11Protocol):
         self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:
-        reading_head = self.conn.their_state is h11.IDLE
-        if reading_head:
+        if self.conn.their_state is h11.IDLE:
             self.head_bytes += len(data)
         super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:
+        if self.conn.their_state is not h11.IDLE:  # the head is in: a request runs (or the connection failed)
             self._head_done()
-        elif reading_head and self.head_bytes > self.settings.max_header_bytes and not self.transport.is_closing():
-            self.refuse(431, f"the request's headers are larger than the limit of {self.settings.max_header_bytes} "
-                             "bytes ([server] max_header_bytes)")
+            self.head_bytes = 0
+        elif self.transport.is_closing():
+            return
+        elif self.head_bytes > self.settings.max_header_bytes:
+            self.refuse(431, self._too_large())
+        elif self.head_timer is None:  # a new head began without a response ending (an early answer, then more)
+            self._arm_head_timer()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -113,6 +116,9 @@ class LimitedH11Protocol(H11Protocol):
         self.refuse(408, f"the request's headers did not arrive within {self.settings.header_timeout:g} s "
                          "([server] header_timeout)")
 
+    def _too_large(self) -> str:
+        return f"the request's headers are larger than the limit of {self.settings.max_header_bytes} bytes ([server] max_header_bytes)"
+
     def refuse(self, status: int, message: str) -> None:
         """Answer ``status`` with OpenAI's error body and close, before h11 has a request to answer."""
         body = json.dumps(error_body(status, message)).encode()
@@ -127,7 +133,11 @@ class LimitedH11Protocol(H11Protocol):
     async def admit(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """The app, behind the limits that need the parsed request."""
         s = self.settings
-        if scope["type"] == "http" and len(scope["headers"]) > s.max_headers:
+        # a head that arrived whole in one read is measured here (data_received measures it while it comes)
+        if sum(len(k) + len(v) + 4 for k, v in scope["headers"]) > s.max_header_bytes:
+            await send_error(send, 431, self._too_large(), {"Connection": "close"})
+            return
+        if len(scope["headers"]) > s.max_headers:
             await send_error(send, 431, f"the request has {len(scope['headers'])} headers, more than the limit of "
                                         f"{s.max_headers} ([server] max_headers)", {"Connection": "close"})
             return
