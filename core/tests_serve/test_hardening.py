@@ -507,6 +507,15 @@ def test_a_64_mb_header_is_refused_with_431_without_growing_memory(limited: Any)
     assert httpx.get(f"{limited.url}/health", timeout=10).status_code == 200
 
 
+def test_max_connections_past_the_open_files_limit_is_warned_of(capsys: pytest.CaptureFixture[str]) -> None:
+    from lmdock.server._run import raise_fd_limit
+
+    raise_fd_limit(1)
+    assert capsys.readouterr().err == ""
+    raise_fd_limit(10**9)  # more than any hard limit: the kernel would refuse connections before any 503
+    assert "fewer than [server] max_connections (1000000000)" in capsys.readouterr().err
+
+
 def test_more_headers_than_the_limit_is_a_431(limited: Any) -> None:
     headers = {f"x-h{i}": "v" for i in range(30)}
     r = httpx.get(f"{limited.url}/v1/models", headers=headers, timeout=10)
