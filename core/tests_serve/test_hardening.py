@@ -1,7 +1,9 @@
 """What a clumsy or hostile client or operator must not get past (issue 28): a dead engine reported
 healthy, an empty API key turning auth off, a non-ASCII key that only matched as latin-1, a port out
-of range bound as another.  In-process app (TestClient) over a FAKE step engine (core plumbing only:
-``core/tests/fakes.py``); the real engines' servers are in the other tests here."""
+of range bound as another.  Request-level checks use the in-process app (TestClient) over a FAKE step
+engine (core plumbing only: ``core/tests/fakes.py``); the HTTP limits, the cut at shutdown and memory
+after bursts use real ``lmdock serve`` subprocesses (stories260K on hf) over raw sockets and httpx.
+The last test must stay last: it checks the server that took the hostile traffic."""
 
 from __future__ import annotations
 
