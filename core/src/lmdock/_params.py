@@ -515,6 +515,8 @@ class ServerConfig(_Replaceable):
     ``template_timeout`` and ``max_prompt_chars`` bound a chat template's render (``server/_templates.py``).
     ``memory_budget_gib`` and ``max_loaded_models`` bound the models loaded at once (``server/_pool.py``):
     the least recently used idle model is unloaded to make room; None is no bound.
+    ``max_header_bytes``, ``max_headers``, ``header_timeout``, ``keep_alive_timeout`` and
+    ``max_connections`` bound what a connection may cost before any route runs (``server/_http.py``).
     """
 
     host: str = "127.0.0.1"
@@ -537,6 +539,11 @@ class ServerConfig(_Replaceable):
     max_prompt_chars: int = 4_194_304
     memory_budget_gib: float | None = None
     max_loaded_models: int | None = None
+    max_header_bytes: int = 32768
+    max_headers: int = 100
+    header_timeout: float = 10.0
+    keep_alive_timeout: float = 5.0
+    max_connections: int = 512
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins or ()))
@@ -546,6 +553,10 @@ class ServerConfig(_Replaceable):
             _int(name, getattr(self, name), 1, optional=False)
         _int("max_logprobs", self.max_logprobs, 0, optional=False)
         _int("max_prompt_chars", self.max_prompt_chars, 1, optional=False)
+        for name in ("max_header_bytes", "max_headers", "max_connections"):
+            _int(name, getattr(self, name), 1, optional=False)
+        for name in ("header_timeout", "keep_alive_timeout"):
+            check(getattr(self, name) > 0, name, f"must be > 0 seconds, got {getattr(self, name)}")
         check(self.template_timeout > 0, "template_timeout", f"must be > 0 seconds, got {self.template_timeout}")
         check(bool(self.host), "host", "must be a host name or address, such as '127.0.0.1'")
         _int("port", self.port, 0, optional=False)

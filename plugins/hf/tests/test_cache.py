@@ -104,3 +104,24 @@ def test_engine_steps_through_the_view_match_a_plain_forward(stories: str) -> No
     second = eng.step([SeqChunk(seq_id=1, token_ids=PROMPT_IDS[-1:], start=len(PROMPT_IDS) - 1)])
     assert abs(first.last[0] - ref[-2]).max() < 1e-4
     assert abs(second.last[0] - ref[-1]).max() < 1e-4
+
+
+def test_released_slots_are_given_back_and_the_live_ones_kept() -> None:
+    """A burst grows the slots (n=512 kept 512 slots of KV for the life of the process: issue 28);
+    once a quarter or fewer are in use they halve, and the live sequences keep their KV."""
+    cache = SlotKVCache(torch.device("cpu"), torch.float32, 64)
+    for seq in range(64):
+        cache.slot(seq)
+    cache.reserve(64, 16)
+    k, v = cache.layer(0, torch.zeros(1, 2, 1, 4))
+    for seq in range(64):
+        k[cache.slot_of[seq]] = seq
+        v[cache.slot_of[seq]] = -seq
+    assert cache.cap_slots == 64
+    for seq in range(3, 64):
+        cache.release(seq)
+    assert cache.cap_slots == 8 and tuple(cache.k[0].shape) == (8, 2, 64, 4)  # 3 live: halved while 3 x 4 <= slots
+    for seq in range(3):
+        assert bool((cache.k[0][cache.slot_of[seq]] == seq).all()) and bool((cache.v[0][cache.slot_of[seq]] == -seq).all())
+    cache.reserve(16, 16)  # a new burst grows them again
+    assert cache.cap_slots == 16

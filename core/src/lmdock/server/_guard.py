@@ -26,8 +26,9 @@ class Guard:
         st = self.state
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         if st.draining:
+            # Connection: close, so the client's next request opens a new connection (to another replica)
             await send_error(send, 503, "the server is shutting down; retry on another replica or later",
-                             {"Retry-After": str(st.settings.retry_after)})
+                             {"Retry-After": str(st.settings.retry_after), "Connection": "close"})
             return
         refusal = self._auth_refusal(scope, headers)
         if refusal is not None:

@@ -3,6 +3,7 @@ SIGTERM/SIGINT, shut the engines down, exit 0."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -20,9 +21,16 @@ from lmdock._config import ConfigFile, find_config, load_config
 from lmdock._errors import ConfigError
 from lmdock._params import ModelConfig, ServerConfig
 from lmdock.server._app import create_app
+from lmdock.server._http import uvicorn_options
 from lmdock.server._pool import ServedModel, queue_limit
 
 log = logging.getLogger("lmdock.server")
+
+#: Seconds past shutdown_timeout that the requests cut then get to send their last words.
+CUT_GRACE = 5.0
+
+#: File descriptors kept beyond max_connections for the models, the logs and the listening socket.
+SPARE_FDS = 64
 
 
 def resolve_api_key(settings: ServerConfig, cli_key: str | None = None) -> str | None:
@@ -57,12 +65,74 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def raise_fd_limit(connections: int) -> None:
+    """Let the process hold ``connections`` sockets: raise its soft file-descriptor limit up to the hard
+    one, or warn (past the limit, accept() fails and every client is locked out, instead of a 503)."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = connections + SPARE_FDS
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        if soft < need:
+            print(f"lmdock serve: warning: the process may open {soft} files ('ulimit -n'), fewer than [server] "
+                  f"max_connections ({connections}) + {SPARE_FDS}: lower max_connections, or clients may be locked "
+                  "out instead of answered 503", file=sys.stderr, flush=True)
+
+
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, or None elsewhere (musl, macOS, Windows)."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
 class _Server(uvicorn.Server):
-    """uvicorn's server, marking the app as draining on the first signal and exiting 0 afterwards."""
+    """uvicorn's server, marking the app as draining on the first signal and exiting 0 afterwards, and
+    handing freed memory back to the system once it is idle."""
 
     def __init__(self, config: uvicorn.Config, state: Any) -> None:
         super().__init__(config)
         self._lmdock = state
+        self._trim = _malloc_trim()
+        self._trimmed_at = 0  # uvicorn's count of requests served at the last trim
+        self._idle_ticks = 0
+
+    async def on_tick(self, counter: int) -> bool:
+        if counter % 10 == 0:  # once a second, as uvicorn's own housekeeping
+            self._trim_when_idle()
+        return await super().on_tick(counter)
+
+    def _trim_when_idle(self) -> None:
+        # glibc keeps what a burst freed (a large n, logprobs) resident as free heap in the main and
+        # the engine threads' arenas; malloc_trim gives it back.  Once per quiet spell: after requests
+        # were served, when no model has a sequence in flight for a whole second (the engines have
+        # released their state by then), on a worker thread.
+        served = self.server_state.total_requests
+        if self._trim is None or served == self._trimmed_at or any(sm.in_flight for sm in self._lmdock.models.values()):
+            self._idle_ticks = 0
+            return
+        self._idle_ticks += 1
+        if self._idle_ticks >= 2:
+            self._trimmed_at = served
+            asyncio.get_running_loop().run_in_executor(None, self._trim, 0)
+
+    async def shutdown(self, sockets: list[Any] | None = None) -> None:
+        # At shutdown_timeout the streams still running end with an error event and [DONE], and the
+        # requests still waiting get 503 (ServerState.cut); uvicorn cancels what runs CUT_GRACE later.
+        cut = asyncio.get_running_loop().call_later(self._lmdock.settings.shutdown_timeout, self._lmdock.cut.set)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            cut.cancel()
 
     async def startup(self, sockets: Any = None) -> None:
         self._lmdock.pool.start()  # the keep_alive reaper runs from the start, not from the first request
@@ -146,10 +216,12 @@ def serve(
             host=host or settings.host,
             port=settings.port if port is None else port,
             log_level=log_level,
-            timeout_graceful_shutdown=settings.shutdown_timeout,  # type: ignore[arg-type]
+            timeout_graceful_shutdown=settings.shutdown_timeout + CUT_GRACE,  # type: ignore[arg-type]
             access_log=False,
             lifespan="off",
+            **uvicorn_options(settings),
         )
+        raise_fd_limit(settings.max_connections)
         server = _Server(uconfig, app.state.lmdock)
         if key is None and not is_loopback(uconfig.host):
             print(f"lmdock serve: warning: listening on {uconfig.host} without an API key: anyone who can reach this "

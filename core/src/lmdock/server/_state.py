@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -12,6 +13,35 @@ from lmdock._params import OPENAI_FIELDS, ServerConfig
 from lmdock.server._errors import APIError, as_api_error
 from lmdock.server._metrics import Metrics
 from lmdock.server._pool import ServedModel, ServedPool
+
+
+class Flag:
+    """Set once, awaited by any number of requests: an ``asyncio.Event`` that binds to no loop (an
+    Event binds to the first loop that waits on it, and TestClient runs each request on its own)."""
+
+    def __init__(self) -> None:
+        self._set = False
+        self._waiters: set[asyncio.Future[None]] = set()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        """Wake every waiter (call it on the loop they wait on)."""
+        self._set = True
+        for fut in self._waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def wait(self) -> None:
+        if self._set:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.add(fut)
+        try:
+            await fut
+        finally:
+            self._waiters.discard(fut)
 
 
 @dataclass
@@ -24,6 +54,8 @@ class ServerState:
     metrics: Metrics
     pool: ServedPool
     draining: bool = False
+    #: set at ``shutdown_timeout`` after the drain began: the requests still running are cut (503)
+    cut: Flag = field(default_factory=lambda: Flag())
 
     @property
     def retry_after(self) -> int:

@@ -20,7 +20,7 @@ from lmdock._outputs import CompletionOutput, RequestOutput
 from lmdock._sinks import AsyncQueueSink
 from lmdock.server._errors import APIError, as_api_error
 from lmdock.server._metrics import RequestTimer
-from lmdock.server._state import ServedModel, ServerState
+from lmdock.server._state import ServedModel, ServerState, state_of
 
 DONE = "data: [DONE]\n\n"
 
@@ -191,20 +191,31 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
+def _cut_error(request: Request) -> APIError:
+    """The 503 of a request cut by shutdown (``shutdown_timeout`` passed), with Retry-After."""
+    return as_api_error(asyncio.CancelledError(), state_of(request).retry_after)
+
+
 async def unless_disconnected(request: Request, work: Any) -> Any:
-    """Await ``work``; if the client goes first, cancel it (aborting its engine requests) and stop."""
+    """Await ``work``; if the client goes first, cancel it (aborting its engine requests) and stop; if
+    the server's drain runs out first (:attr:`ServerState.cut`), cancel it and answer 503."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_wait_disconnect(request))
+    cut = asyncio.ensure_future(state_of(request).cut.wait())
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watch, cut}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone = watch.done() and not watch.cancelled()  # else this route itself was cancelled (shutdown)
+        was_cut = cut.done() and not cut.cancelled()
         watch.cancel()
+        cut.cancel()
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             if gone:
                 raise APIError(499, "the client closed the connection")
+            if was_cut:
+                raise _cut_error(request)
     return task.result()
 
 
@@ -266,20 +277,28 @@ async def _events(chunks: AsyncIterator[dict[str, Any]], admission: Admission, r
 
 def sse_response(request: Request, chunks: AsyncIterator[dict[str, Any]], admission: Admission, retry: int) -> StreamingResponse:
     """``chunks`` as server-sent events, then ``[DONE]``; an error mid-stream is sent as an error
-    event; the admission is released when the stream ends however it ends."""
+    event, and so is the end of the server's drain (:attr:`ServerState.cut`: a 503 to retry); the
+    admission is released when the stream ends however it ends."""
     events = _events(chunks, admission, retry)
+    state = state_of(request)
 
     async def body() -> AsyncIterator[str]:
         # Our own watcher as well as Starlette's: a client gone while nothing is sent (queued, or
         # between tokens) still aborts the request at once.
         gen = events.__aiter__()
         watch = asyncio.ensure_future(_wait_disconnect(request))
+        cut = asyncio.ensure_future(state.cut.wait())
         nxt: asyncio.Future[str] | None = None
         try:
             while True:
                 nxt = asyncio.ensure_future(gen.__anext__())
-                await asyncio.wait({nxt, watch}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({nxt, watch, cut}, return_when=asyncio.FIRST_COMPLETED)
                 if not nxt.done():
+                    if cut.done() and not watch.done():  # cut by shutdown: abort, then say so and end
+                        nxt.cancel()
+                        await asyncio.gather(nxt, return_exceptions=True)
+                        yield sse(_cut_error(request).body())
+                        yield DONE
                     return
                 try:
                     item = nxt.result()
@@ -290,6 +309,7 @@ def sse_response(request: Request, chunks: AsyncIterator[dict[str, Any]], admiss
             # No await may be needed here: a cancelled (disconnected) response cannot wait.  Cancelling
             # the pending step unwinds the generators, whose finally blocks abort the engine requests.
             watch.cancel()
+            cut.cancel()
             if nxt is not None and not nxt.done():
                 nxt.cancel()
             elif nxt is not None:

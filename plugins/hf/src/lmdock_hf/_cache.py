@@ -87,6 +87,27 @@ class SlotKVCache(SlotTable):
             for k, v in zip(self.k, self.v):
                 k[hole].copy_(k[last])
                 v[hole].copy_(v[last])
+        self._shrink()
+
+    def _shrink(self) -> None:
+        """Give a burst's slots back: once a quarter of them or fewer are in use, halve them until more
+        are (the slots are compact, so the live ones are the first; the gap between growing at full
+        and shrinking at a quarter keeps a steady load from reallocating).  Without it, one request
+        with ``n`` = 512 kept 512 slots of KV for the life of the process (issue 28)."""
+        slots, used = self.cap_slots, len(self)
+        while slots > 4 and used * 4 <= slots:
+            slots //= 2
+        if slots == self.cap_slots:
+            return
+        for layer in range(len(self.k)):
+            self.k[layer] = self._kept(self.k[layer], slots)
+            self.v[layer] = self._kept(self.v[layer], slots)
+        self.cap_slots = slots
+
+    def _kept(self, t: torch.Tensor, slots: int) -> torch.Tensor:
+        out = self._zeros((slots, *t.shape[1:]), t.dtype, t.device)
+        out[: len(self)] = t[: len(self)]
+        return out
 
     def copy(self, src: int, dst: int, length: int) -> None:
         s, d = self.slot_of[src], self.slot(dst)
