@@ -266,6 +266,31 @@ def test_lazy_grammar_takes_text_or_text_then_valid_calls(name: str) -> None:
         assert not _accepts(grammar, "Let me see. " + bad)
 
 
+# pydantic's nested models (instructor's and LangChain's tools): a $ref into the parameters' own $defs
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}
+NESTED = [{"type": "function", "function": {"name": n, "parameters": {
+    "$defs": {"Person": PERSON}, "type": "object", "properties": {"owner": {"$ref": "#/$defs/Person"}}, "required": ["owner"]}}}
+    for n in ("f", "g")]
+NESTED_CALLS = {
+    "hermes": '<tool_call>\n{"name":"g","arguments":{"owner":{"name":"Lily","age":3}}}\n</tool_call>',
+    "mistral": '[TOOL_CALLS][{"name":"g","arguments":{"owner":{"name":"Lily","age":3}}}]',
+    "llama3_json": '{"name":"g","parameters":{"owner":{"name":"Lily","age":3}}}',
+    "pythonic": '[g(owner={"name":"Lily","age":3})]',
+}
+
+
+@pytest.mark.parametrize("name", sorted(NESTED_CALLS))
+def test_forced_grammar_resolves_the_parameters_defs_and_bounds_what_they_leave_open(name: str) -> None:
+    # the parameters' $defs are lifted to the embedding schema's root (a $ref resolves from the root),
+    # one set per tool; the listed object is closed and the integer bounded, as for response_format
+    grammar = get_parser(name).grammar(NESTED, parallel=False, lazy=False)
+    assert grammar is not None
+    good = NESTED_CALLS[name]
+    assert _accepts(grammar, good)
+    assert not _accepts(grammar, good.replace('"age":3', '"age":3,"x":1'))
+    assert not _accepts(grammar, good.replace('"age":3', f'"age":{2**60}'))
+
+
 @pytest.mark.parametrize("opened", [True, False])
 def test_forced_grammar_lets_the_model_think_first(opened: bool) -> None:
     plan = _plan(tools=STRICT, tool_choice="required", parallel=False, reasoning_parser="think")

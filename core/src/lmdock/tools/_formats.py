@@ -9,7 +9,7 @@ import re
 from typing import Any
 
 from lmdock.tools._base import PartialCall, Scan, ToolParser, held_back
-from lmdock.tools._jsoncall import calls_schema, json_call
+from lmdock.tools._jsoncall import arguments_schema, calls_schema, json_call
 from lmdock.tools._pythonic import pythonic_scan
 
 
@@ -161,13 +161,13 @@ class PythonicParser(ToolParser):
         alts = []
         for i, t in enumerate(tools):
             fn = t.get("function", {})
-            params = fn.get("parameters") or {}
+            params, defs = arguments_schema(fn.get("parameters") or {})
             props, required = params.get("properties", {}), set(params.get("required", []))
             if not re.fullmatch(r"[A-Za-z_]\w*", fn["name"]) or set(props) - required:
                 return None  # optional arguments would need every subset's order: parse only
             args = ' ", " '.join(f'"{k}=" v{i}_{j}' for j, k in enumerate(props))
             alts.append(f'c{i}: "{fn["name"]}(" {args} ")"\n'
-                        + "".join(f"v{i}_{j}: %json {json.dumps(s)}\n" for j, s in enumerate(props.values())))
+                        + "".join(f"v{i}_{j}: %json {json.dumps({**s, '$defs': defs} if defs else s)}\n" for j, s in enumerate(props.values())))
         names = " | ".join(f"c{i}" for i in range(len(tools)))
         calls = 'call (", " call)*' if parallel else "call"
         plain = "PLAIN | " if lazy else ""  # the calls are the whole reply: text is what does not open with "["

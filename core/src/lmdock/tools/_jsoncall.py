@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from lmdock._json_schemas import bounded_numbers, closed_objects
 from lmdock.tools._base import PartialCall
 
 
@@ -140,12 +141,44 @@ def _error(raw: str, args_keys: tuple[str, ...]) -> str | None:
     return None
 
 
-def json_schema_of(tool: dict[str, Any], args_key: str = "arguments") -> dict[str, Any]:
-    """The JSON schema of one tool's call object: its name, and arguments under its parameters' schema."""
+def json_schema_of(tool: dict[str, Any], args_key: str = "arguments", prefix: str = "") -> dict[str, Any]:
+    """The JSON schema of one tool's call object: its name, and arguments under its parameters' schema
+    (bounded as a response format's is; its ``$defs`` lifted to the root, renamed with ``prefix``)."""
     fn = tool.get("function", {})
-    params = fn.get("parameters") or {"type": "object", "properties": {}}
-    return {"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: params},
-            "required": ["name", args_key], "additionalProperties": False}
+    params, defs = arguments_schema(fn.get("parameters") or {"type": "object", "properties": {}}, prefix)
+    schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: params},
+              "required": ["name", args_key], "additionalProperties": False}
+    return {**schema, "$defs": defs} if defs else schema
+
+
+def arguments_schema(params: dict[str, Any], prefix: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(schema, defs)``: a tool's parameters schema with what it leaves open bounded (objects that list
+    their properties closed, numbers in range: lmdock/_json_schemas.py, as for ``response_format``),
+    and its ``$defs`` / ``definitions`` taken out, named ``prefix + name``, for the root of the schema
+    that embeds it (a ``#/$defs/X`` reference resolves from the root, which is no longer ``params``:
+    pydantic writes nested models that way, so instructor's and LangChain's tools have them)."""
+    params = bounded_numbers(closed_objects(params))
+    defs = {f"{prefix}{name}": sub for key in ("$defs", "definitions") for name, sub in (params.get(key) or {}).items()}
+    if not defs:
+        return params, {}
+    params = {k: v for k, v in params.items() if k not in ("$defs", "definitions")}
+    moved = _renamed_refs({"p": params, "d": defs}, prefix)
+    return moved["p"], moved["d"]
+
+
+def _renamed_refs(value: Any, prefix: str) -> Any:
+    """``value`` with every local ``$ref`` into ``$defs`` / ``definitions`` pointing at ``#/$defs/<prefix>NAME``."""
+    if isinstance(value, list):
+        return [_renamed_refs(v, prefix) for v in value]
+    if not isinstance(value, dict):
+        return value
+    out = {k: _renamed_refs(v, prefix) for k, v in value.items()}
+    ref = out.get("$ref")
+    if isinstance(ref, str):
+        for root in ("#/$defs/", "#/definitions/"):
+            if ref.startswith(root):
+                out["$ref"] = f"#/$defs/{prefix}{ref[len(root):]}"
+    return out
 
 
 #: compact JSON (llguidance's option): free whitespace between tokens would let a model spend its budget on it
@@ -154,5 +187,8 @@ COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 
 def calls_schema(tools: list[dict[str, Any]], args_key: str = "arguments") -> dict[str, Any]:
     """One call to any of ``tools``, as a JSON schema (compact JSON)."""
-    schemas = [json_schema_of(t, args_key) for t in tools]
-    return {**schemas[0], **COMPACT} if len(schemas) == 1 else {"anyOf": schemas, **COMPACT}
+    if len(tools) == 1:
+        return {**json_schema_of(tools[0], args_key), **COMPACT}
+    schemas = [json_schema_of(t, args_key, f"t{i}_") for i, t in enumerate(tools)]
+    defs = {name: sub for s in schemas for name, sub in s.pop("$defs", {}).items()}
+    return {"anyOf": schemas, **({"$defs": defs} if defs else {}), **COMPACT}
