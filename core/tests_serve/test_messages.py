@@ -82,6 +82,10 @@ def test_a_stop_sequence_is_named(served: Server) -> None:
     m = client(served).messages.create(model="stories", max_tokens=30, messages=ASK, stop_sequences=["Lily"])  # type: ignore[arg-type]
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == "Lily"
     assert m.content[0].text.endswith("named ")  # type: ignore[union-attr]
+    with client(served).messages.stream(model="stories", max_tokens=30, messages=ASK, stop_sequences=["Lily"]) as s:  # type: ignore[arg-type]
+        streamed = s.get_final_message()
+    assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", "Lily")  # the chunk names the string
+    assert streamed.content[0].text == m.content[0].text  # type: ignore[union-attr]
 
 
 def test_streamed_events_come_in_anthropics_order(served: Server) -> None:

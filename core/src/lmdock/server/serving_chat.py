@@ -168,9 +168,10 @@ class ChatRun:
                     delta["content"] = piece.content
                 if piece.calls:
                     delta["tool_calls"] = [call.openai() for call in piece.calls]
-                reason = finish_reason(c, reads[c.index].tool_calls) if c.finished else None
-                yield self._chunk([{"index": c.index, "delta": delta, "logprobs": self.logprobs(c, d.token_start),
-                                    "finish_reason": reason}])
+                choice = {"index": c.index, "delta": delta, "logprobs": self.logprobs(c, d.token_start), "finish_reason": None}
+                if c.finished:  # vLLM's stop_reason too: the stop string or token that ended the text
+                    choice.update(finish_reason=finish_reason(c, reads[c.index].tool_calls), stop_reason=c.stop_reason)
+                yield self._chunk([choice])
             if self.body.stream_options and self.body.stream_options.include_usage:
                 yield self._chunk([], usage=usage(last))
         finally:
