@@ -25,21 +25,13 @@ from pydantic import Field, model_validator
 
 from lmdock._errors import LmdockError
 from lmdock.server._chat_bridge import StrictBody, start_chat, typed_sse
-from lmdock.server._errors import APIError, as_api_error
+from lmdock.server._errors import APIError, anthropic_error_body, as_api_error
 from lmdock.server._messages_blocks import chat_messages, chat_tool_choice, chat_tools
 from lmdock.server._state import state_of
 from lmdock.server._templates import render_bounded
 
-#: Anthropic's error types by HTTP status.
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-               413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
 #: Chat's field names in errors from the chat path, as this API calls them.
 NAMES = {"stop": "stop_sequences"}
-
-
-def error_body(status: int, message: str) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"),
-                                       "message": message}}
 
 
 class _AnthropicErrors(APIRoute):
@@ -66,7 +58,7 @@ async def _reshaped(request: Request, exc: Exception) -> Response:
     openai = await handler(request, exc)
     message = json.loads(bytes(openai.body))["error"]["message"]
     headers = {k: v for k, v in openai.headers.items() if k.lower() not in ("content-length", "content-type")}
-    return JSONResponse(error_body(openai.status_code, message), status_code=openai.status_code, headers=headers)
+    return JSONResponse(anthropic_error_body(openai.status_code, message), status_code=openai.status_code, headers=headers)
 
 
 router = APIRouter(route_class=_AnthropicErrors)
@@ -161,7 +153,7 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, 
 def _error_event(err: dict[str, Any]) -> dict[str, Any]:
     """A failure after the start (OpenAI's error body) as Anthropic's ``error`` event."""
     code = str(err.get("code") or "")
-    return error_body(int(code) if code.isdigit() else 500, err.get("message") or "")
+    return anthropic_error_body(int(code) if code.isdigit() else 500, err.get("message") or "")
 
 
 def _stop(choice: dict[str, Any], sequences: list[str] | None) -> tuple[str, str | None]:
