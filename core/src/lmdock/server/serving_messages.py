@@ -23,12 +23,10 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import Field, model_validator
 
-from lmdock._errors import LmdockError
-from lmdock.server._chat_bridge import StrictBody, start_chat, typed_sse
-from lmdock.server._errors import APIError, anthropic_error_body, as_api_error
+from lmdock.server._chat_bridge import prompt_tokens, start_chat, typed_sse
+from lmdock.server._errors import APIError, anthropic_error_body
 from lmdock.server._messages_blocks import chat_messages, chat_tool_choice, chat_tools
-from lmdock.server._state import state_of
-from lmdock.server._templates import render_bounded
+from lmdock.server._protocol import StrictBody
 
 #: Chat's field names in errors from the chat path, as this API calls them.
 NAMES = {"stop": "stop_sequences"}
@@ -137,17 +135,7 @@ async def create(body: MessagesRequest, request: Request) -> Response:
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
     """The tokens the conversation's prompt takes, rendered as ``/v1/messages`` renders it."""
-    st = state_of(request)
-    sm = await st.model(body.model, request)
-    chat = body.chat()
-    kwargs = chat.get("chat_template_kwargs")
-    try:
-        plan = sm.llm.chat_plan(chat.get("tools"), chat.get("tool_choice"), chat.get("parallel_tool_calls"), sm.chat_template, kwargs)
-        text = await render_bounded(lambda: sm.llm.render_chat(chat["messages"], sm.chat_template, True, False, kwargs,
-                                                               tools=plan.template_tools), st.settings)
-        return {"input_tokens": len(sm.llm.tokenizer.encode(text, add_special_tokens=False))}
-    except LmdockError as exc:
-        raise as_api_error(exc, st.retry_after, sm.hide) from None
+    return {"input_tokens": await prompt_tokens(body.chat(), request, NAMES)}
 
 
 def _error_event(err: dict[str, Any]) -> dict[str, Any]:
