@@ -401,8 +401,17 @@ def test_a_codex_shaped_request_is_answered_streamed_and_whole(served: Server) -
     assert item["type"] == "reasoning" and text and item["summary"] == [{"type": "summary_text", "text": text}]
     assert item["encrypted_content"].startswith("lmdock-reasoning-v1.")
     assert final["reasoning"] == {"effort": "medium", "summary": "auto"} and final["store"] is False  # type: ignore[index]
+    summary = [e for e in events if e["type"].startswith("response.reasoning_summary")]  # type: ignore[union-attr]
+    deltas = [e["delta"] for e in summary if e["type"] == "response.reasoning_summary_text.delta"]
+    assert [e["type"] for e in summary] == ["response.reasoning_summary_part.added", *["response.reasoning_summary_text.delta"] * len(deltas),
+                                            "response.reasoning_summary_text.done", "response.reasoning_summary_part.done"]
+    assert "".join(deltas) == summary[-2]["text"] == text  # type: ignore[arg-type]
     r = httpx.get(f"{served.url}/v1/responses/{final['id']}")  # type: ignore[index]
     assert r.status_code == 404  # store: false
+    sdk = list(client(served).responses.create(**codex_request()))  # type: ignore[arg-type]  # the openai SDK reads the same events
+    undelta = [e.type for e in sdk if not e.type.endswith(".delta")]  # how many deltas depends on how tokens arrive
+    assert undelta == [e["type"] for e in events if not e["type"].endswith(".delta")]  # type: ignore[union-attr]
+    assert sdk[-1].response.output[0].summary[0].text == text  # type: ignore[union-attr]
     whole = client(served).responses.create(**codex_request(stream=False))  # type: ignore[arg-type]
     assert whole.output[0].type == "reasoning" and whole.output[0].content[0].text == text  # type: ignore[union-attr, index]
     assert whole.output[0].encrypted_content == item["encrypted_content"]  # type: ignore[union-attr]

@@ -11,7 +11,8 @@ them with ``{"input": ...}`` arguments), whether a reasoning item carries its te
 Streamed, each item opens with ``response.output_item.added`` and closes with
 ``response.output_item.done``; between them a text item has its one content part
 (``response.content_part.added`` / ``.done``) and its ``.delta`` events and ``.done``
-(``response.output_text.*`` or ``response.reasoning_text.*``), a call its
+(``response.output_text.*`` or ``response.reasoning_text.*``; a reasoning item with a summary its
+``response.reasoning_summary_part.*`` and ``response.reasoning_summary_text.*`` too), a call its
 ``response.function_call_arguments.delta`` events and ``.done`` (a custom tool's call its input,
 decoded from the arguments once they are whole, as one ``response.custom_tool_call_input.delta``
 and ``.done``).  Every event has its ``sequence_number``.
@@ -179,13 +180,23 @@ class EventSequence:
         extra = {"logprobs": []} if kind == "message" else {}
         out.append(self.event(f"{_TEXT[kind][2]}.delta", item_id=item["id"], output_index=item["index"], content_index=0,
                               delta=text, **extra))
+        if self._summarized(kind):
+            out.append(self.event("response.reasoning_summary_text.delta", item_id=item["id"], output_index=item["index"],
+                                  summary_index=0, delta=text))
         return out
+
+    def _summarized(self, kind: str) -> bool:
+        """A reasoning item whose summary (its own text) streams beside its text."""
+        return kind == "reasoning" and self.outputs.summary
 
     def _start_text(self, kind: str) -> list[dict[str, Any]]:
         self.open = item = {"kind": kind, "id": new_id(_TEXT[kind][0]), "index": len(self.output), "text": ""}
-        return [self.event("response.output_item.added", output_index=item["index"], item=self.outputs.text_item(kind, item["id"], "", "in_progress")),
-                self.event("response.content_part.added", item_id=item["id"], output_index=item["index"], content_index=0,
-                           part=_part(kind, ""))]
+        where = {"item_id": item["id"], "output_index": item["index"]}
+        out = [self.event("response.output_item.added", output_index=item["index"], item=self.outputs.text_item(kind, item["id"], "", "in_progress")),
+               self.event("response.content_part.added", **where, content_index=0, part=_part(kind, ""))]
+        if self._summarized(kind):
+            out.append(self.event("response.reasoning_summary_part.added", **where, summary_index=0, part={"type": "summary_text", "text": ""}))
+        return out
 
     def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
         out = []
@@ -232,5 +243,8 @@ class EventSequence:
             extra = {"logprobs": []} if kind == "message" else {}
             out = [self.event(f"{_TEXT[kind][2]}.done", **where, content_index=0, text=item["text"], **extra),
                    self.event("response.content_part.done", **where, content_index=0, part=done["content"][0])]
+            if self._summarized(kind):
+                out += [self.event("response.reasoning_summary_text.done", **where, summary_index=0, text=item["text"]),
+                        self.event("response.reasoning_summary_part.done", **where, summary_index=0, part=done["summary"][0])]
         self.output.append(done)
         return [*out, self.event("response.output_item.done", output_index=item["index"], item=done)]
