@@ -82,6 +82,10 @@ def test_a_stop_sequence_is_named(served: Server) -> None:
     m = client(served).messages.create(model="stories", max_tokens=30, messages=ASK, stop_sequences=["Lily"])  # type: ignore[arg-type]
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == "Lily"
     assert m.content[0].text.endswith("named ")  # type: ignore[union-attr]
+    with client(served).messages.stream(model="stories", max_tokens=30, messages=ASK, stop_sequences=["Lily"]) as s:  # type: ignore[arg-type]
+        streamed = s.get_final_message()
+    assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", "Lily")  # the chunk names the string
+    assert streamed.content[0].text == m.content[0].text  # type: ignore[union-attr]
 
 
 def test_streamed_events_come_in_anthropics_order(served: Server) -> None:
@@ -142,8 +146,23 @@ def test_x_api_key_is_the_key(strict: Server) -> None:
     # server (which has no chat template) answers the request itself
     with pytest.raises(anthropic.BadRequestError, match="no chat template"):
         client(strict, api_key="sekret-key").messages.create(model="stories", max_tokens=3, messages=ASK)  # type: ignore[arg-type]
-    with pytest.raises(anthropic.AuthenticationError):
+    with pytest.raises(anthropic.AuthenticationError) as e:
         client(strict, api_key="wrong").messages.create(model="stories", max_tokens=3, messages=ASK)  # type: ignore[arg-type]
+    assert e.value.body == {"type": "error", "error": {"type": "authentication_error",  # the guard's refusal, in Anthropic's body
+                                                       "message": "wrong API key: send 'x-api-key: <key>'"}}
+
+
+def test_the_guards_refusals_have_anthropics_shape(strict: Server) -> None:
+    r = httpx.post(f"{strict.url}/v1/messages/count_tokens", json={"model": "stories", "messages": ASK})
+    assert r.status_code == 401 and r.json() == {"type": "error", "error": {
+        "type": "authentication_error", "message": "missing API key: send 'x-api-key: <key>'"}}
+    big = {"model": "stories", "max_tokens": 3, "messages": [{"role": "user", "content": "x" * 5000}]}
+    with pytest.raises(anthropic.APIStatusError) as e:
+        client(strict, api_key="sekret-key").messages.create(**big)  # type: ignore[arg-type]
+    assert e.value.status_code == 413 and e.value.body["error"]["type"] == "request_too_large"  # type: ignore[index]
+    assert "max_body_bytes" in e.value.body["error"]["message"]  # type: ignore[index]
+    r = httpx.post(f"{strict.url}/v1/chat/completions", json={"model": "stories", "messages": ASK})  # OpenAI's, elsewhere
+    assert r.status_code == 401 and r.json()["error"]["message"] == "missing API key: send 'Authorization: Bearer <key>'"
 
 
 def _valid_use(block: object) -> dict[str, object]:

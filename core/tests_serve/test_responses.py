@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Iterator
 from typing import Annotated
@@ -162,12 +163,15 @@ def test_what_it_cannot_honour_is_a_400_naming_it(served: Server) -> None:
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type", "item_reference"),
         ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]}, "input.0.encrypted_content", "encrypted"),
         ({"input": [{"role": "user", "content": "x", "colour": 1}]}, "input.0.colour", "colour"),
-        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type", "function tools only"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type", "function and custom tools only"),
         ({"input": "x", "max_output_tokens": 5000}, "max_output_tokens", "at most"),
         ({"input": []}, "input", "empty"),
         ({"input": "x", "truncation": "auto"}, "truncation", "disabled"),
-        ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", "no extra output"),
-        ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning.effort", "reasoning_parser"),
+        ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", "reasoning.encrypted_content only"),
+        ({"input": "x", "text": {"verbosity": "high"}}, "text.verbosity", "'medium'"),
+        ({"input": "x", "reasoning": {"effort": "huge"}}, "reasoning.effort", "'minimal'"),
+        ({"input": "x", "tools": [{"type": "custom", "name": "t", "format": {"type": "grammar", "syntax": "ebnf",
+                                                                              "definition": "x"}}]}, "tools.0.format", "lark or regex"),
         ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16"),
     ]
     for kw, param, words in cases:
@@ -184,7 +188,7 @@ def test_errors_have_openais_shape(served: Server) -> None:
     # metadata comes back in the response: a lone surrogate in it is a 400 before any work, not a 500 after
     r = httpx.post(f"{served.url}/v1/responses", content=b'{"input": "x", "metadata": {"k": "\\ud800"}}',
                    headers={"content-type": "application/json"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "metadata" and "surrogate" in r.json()["error"]["message"]
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("metadata.k holds a lone UTF-16 surrogate")
 
 
 def _valid_call(item: object) -> dict[str, object]:
@@ -352,3 +356,127 @@ def test_the_store_is_bounded_least_recently_used_first_out() -> None:
     store.put("c", Stored({"id": "c"}, ()))
     assert [k for k in ("a", "b", "c") if store.get(k) is not None] == ["a", "c"]
     assert store.delete("a") and not store.delete("a")
+
+
+# What Codex (openai/codex, wire_api = "responses") sends: its instructions, developer and user
+# messages, its function tools and its free-form apply_patch (a custom tool with a Lark grammar),
+# reasoning settings, no stored state (store: false, its reasoning carried as encrypted_content)
+# and always a stream.
+PATCH_GRAMMAR = 'start: begin_patch hunk+ end_patch\nbegin_patch: "*** Begin Patch" LF\nend_patch: "*** End Patch" LF?\n'
+CODEX_TOOLS = [
+    {"type": "function", "name": "shell", "description": "Runs a shell command", "strict": False,
+     "parameters": {"type": "object", "properties": {"command": {"type": "array", "items": {"type": "string"}},
+                                                     "workdir": {"type": "string"}},
+                    "required": ["command"], "additionalProperties": False}},
+    {"type": "custom", "name": "apply_patch", "description": "Use the apply_patch tool to edit files.",
+     "format": {"type": "grammar", "syntax": "lark", "definition": PATCH_GRAMMAR}},
+]
+
+
+def codex_request(**over: object) -> dict[str, object]:
+    return {"model": "thinker", "instructions": "You are a coding agent.",
+            "input": [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "sandbox: none"}]},
+                      {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Once upon a time"}]}],
+            "tools": CODEX_TOOLS, "tool_choice": "auto", "parallel_tool_calls": False,
+            "reasoning": {"effort": "medium", "summary": "auto"}, "store": False, "stream": True,
+            "include": ["reasoning.encrypted_content"], "prompt_cache_key": "0199a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b",
+            "text": {"verbosity": "medium"}, **over}
+
+
+def _events(server: Server, body: dict[str, object]) -> list[dict[str, object]]:
+    with httpx.stream("POST", f"{server.url}/v1/responses", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def test_a_codex_shaped_request_is_answered_streamed_and_whole(served: Server) -> None:
+    events = _events(served, codex_request())
+    final = events[-1]["response"]
+    assert events[0]["type"] == "response.created" and events[-1]["type"] in ("response.completed", "response.incomplete")
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    (item,) = final["output"]  # type: ignore[index]
+    # the thinker never closes <think>: all its text is reasoning, its summary the same text, and the
+    # token carries it back
+    text = item["content"][0]["text"]
+    assert item["type"] == "reasoning" and text and item["summary"] == [{"type": "summary_text", "text": text}]
+    assert item["encrypted_content"].startswith("lmdock-reasoning-v1.")
+    assert final["reasoning"] == {"effort": "medium", "summary": "auto"} and final["store"] is False  # type: ignore[index]
+    summary = [e for e in events if e["type"].startswith("response.reasoning_summary")]  # type: ignore[union-attr]
+    deltas = [e["delta"] for e in summary if e["type"] == "response.reasoning_summary_text.delta"]
+    assert [e["type"] for e in summary] == ["response.reasoning_summary_part.added", *["response.reasoning_summary_text.delta"] * len(deltas),
+                                            "response.reasoning_summary_text.done", "response.reasoning_summary_part.done"]
+    assert "".join(deltas) == summary[-2]["text"] == text  # type: ignore[arg-type]
+    r = httpx.get(f"{served.url}/v1/responses/{final['id']}")  # type: ignore[index]
+    assert r.status_code == 404  # store: false
+    sdk = list(client(served).responses.create(**codex_request()))  # type: ignore[arg-type]  # the openai SDK reads the same events
+    undelta = [e.type for e in sdk if not e.type.endswith(".delta")]  # how many deltas depends on how tokens arrive
+    assert undelta == [e["type"] for e in events if not e["type"].endswith(".delta")]  # type: ignore[union-attr]
+    assert sdk[-1].response.output[0].summary[0].text == text  # type: ignore[union-attr]
+    whole = client(served).responses.create(**codex_request(stream=False))  # type: ignore[arg-type]
+    assert whole.output[0].type == "reasoning" and whole.output[0].content[0].text == text  # type: ignore[union-attr, index]
+    assert whole.output[0].encrypted_content == item["encrypted_content"]  # type: ignore[union-attr]
+
+
+def test_reasoning_effort_none_turns_thinking_off(served: Server) -> None:
+    c = client(served)
+    off = c.responses.create(**codex_request(stream=False, reasoning={"effort": "none"}))  # type: ignore[arg-type]
+    on = c.responses.create(**codex_request(stream=False, reasoning={"effort": "high"}))  # type: ignore[arg-type]
+    assert [i.type for i in off.output] == ["message"] and [i.type for i in on.output] == ["reasoning"]
+    assert off.usage.input_tokens < on.usage.input_tokens  # the template leaves <think> out
+    assert not hasattr(on.output[0], "encrypted_content") or on.output[0].encrypted_content  # type: ignore[union-attr]
+
+
+def test_encrypted_reasoning_goes_back_as_the_turns_reasoning(served: Server) -> None:
+    from lmdock.server._responses_items import input_messages
+
+    c = client(served)
+    first = c.responses.create(**codex_request(stream=False))  # type: ignore[arg-type]
+    item = first.output[0].model_dump(exclude_none=True)
+    text = item["content"][0]["text"]
+    # as Codex sends it back: the item with its summary and token, no content
+    sent = {k: v for k, v in item.items() if k != "content"}
+    then = [*codex_request()["input"], sent, {"type": "message", "role": "user", "content": "Then"}]  # type: ignore[list-item]
+    again = c.responses.create(**codex_request(stream=False, input=then))  # type: ignore[arg-type]
+    assert again.status in ("completed", "incomplete")
+    assert input_messages([{**sent, "summary": []}])[0]["reasoning_content"] == text  # the token alone carries the text
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(**codex_request(stream=False, input=[{**sent, "encrypted_content": sent["encrypted_content"][:-4] + "AAAA"},  # type: ignore[arg-type]
+                                                               *then[-1:]]))
+    assert e.value.body["param"] == "input.0.encrypted_content"  # type: ignore[index]
+
+
+PIN = {"type": "custom", "name": "pin", "description": "a short code", "format": {"type": "grammar", "syntax": "regex",
+                                                                                 "definition": "[a-z]{2,6}-[0-9]{2}"}}
+
+
+def test_a_custom_tool_call_round_trip(served: Server) -> None:
+    c = client(served)
+    kw = {"model": "stories", "input": "Once upon a time", "tools": [PIN], "tool_choice": {"type": "custom", "name": "pin"},
+          "max_output_tokens": 60}
+    r = c.responses.create(**kw)  # type: ignore[arg-type]
+    (call,) = r.output
+    assert call.type == "custom_tool_call" and call.name == "pin" and call.call_id.startswith("call_")  # type: ignore[union-attr]
+    assert re.fullmatch("[a-z]{2,6}-[0-9]{2}", call.input)  # type: ignore[union-attr]  # the regex format holds the input
+    events = _events(served, {**kw, "stream": True})
+    kinds = [e["type"] for e in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added", "response.custom_tool_call_input.delta",
+                     "response.custom_tool_call_input.done", "response.output_item.done", "response.completed"]
+    assert events[4]["input"] == events[5]["item"]["input"] == call.input  # type: ignore[index, union-attr]
+    # its output goes back; the conversation is chat's, the call's input as {"input": ...} arguments
+    result = {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "ok"}  # type: ignore[union-attr]
+    items = [{"role": "user", "content": "Once upon a time"}, call.model_dump(exclude_none=True), result]
+    after = c.responses.create(model="stories", input=items, tools=[PIN], tool_choice="none", max_output_tokens=5)  # type: ignore[arg-type, list-item]
+    by_id = c.responses.create(model="stories", previous_response_id=r.id, input=[result], tools=[PIN], tool_choice="none",  # type: ignore[arg-type, list-item]
+                               max_output_tokens=5)
+    messages = [{"role": "user", "content": "Once upon a time"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": call.call_id, "type": "function", "function": {  # type: ignore[union-attr]
+                    "name": "pin", "arguments": json.dumps({"input": call.input})}}]},  # type: ignore[union-attr]
+                {"role": "tool", "tool_call_id": call.call_id, "content": "ok"}]  # type: ignore[union-attr]
+    chat = c.chat.completions.create(model="stories", messages=messages, max_tokens=5, tools=[{"type": "function", "function": {  # type: ignore[arg-type, list-item]
+        "name": "pin", "parameters": {"type": "object", "properties": {"input": {"type": "string"}}}}}], tool_choice="none")
+    assert after.usage.input_tokens == by_id.usage.input_tokens == chat.usage.prompt_tokens
+    assert after.output_text == chat.choices[0].message.content
+    # a regex the grammar engine cannot compile is a 400 with its reason, before anything runs
+    bad = {**PIN, "format": {"type": "grammar", "syntax": "regex", "definition": "(?=a)b"}}
+    with pytest.raises(openai.BadRequestError, match="look-around"):
+        c.responses.create(**{**kw, "tools": [bad]})  # type: ignore[arg-type]

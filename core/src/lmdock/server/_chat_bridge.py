@@ -3,7 +3,7 @@ request, runs it through ``/v1/chat/completions``' own code (the same template r
 defaults, admission, abort on disconnect and streaming; there is no second generation loop) and
 translates the chat completion, or its stream of chunks, back into its own shape.
 
-Here is what both share: request bodies that refuse unknown fields, the call into chat, an error
+Here is what both share: the call into chat (and its rendered prompt, for counting tokens), an error
 from chat renamed into the caller's field names, and server-sent events named by their ``type``
 (``event: message_start`` / ``data: {...}``), as both APIs send them.
 """
@@ -16,29 +16,12 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import ValidationError
 
 from lmdock.server import serving_chat
 from lmdock.server._errors import APIError
 from lmdock.server._protocol import ChatRequest, unknown_field
 from lmdock.server._streaming import DONE, sse, sse_response
-
-
-class StrictBody(BaseModel):
-    """A request body (or part of one) that refuses a field it does not know, naming it and the
-    closest known one, as ``_protocol``'s bodies do; a field sent as ``null`` asks for nothing."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _known_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for key, value in data.items():
-                if value is not None and key not in cls.model_fields:
-                    raise PydanticCustomError("unknown_field", "{message}", {"field": key, "message": unknown_field(key, cls.model_fields)})
-        return data
 
 
 def refuse_keys(item: dict[str, Any], known: frozenset[str], where: str) -> None:
@@ -47,6 +30,14 @@ def refuse_keys(item: dict[str, Any], known: frozenset[str], where: str) -> None
     for key, value in item.items():
         if value is not None and key not in known:
             raise APIError(400, f"{where}: {unknown_field(key, known)}", param=f"{where}.{key}")
+
+
+def string_field(item: dict[str, Any], key: str, where: str) -> str:
+    """``item[key]``, which must be a string (a 400 naming ``where.key`` otherwise)."""
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise APIError(400, f"{where}.{key} must be a string", param=f"{where}.{key}")
+    return value
 
 
 def chat_request(chat: dict[str, Any]) -> ChatRequest:
@@ -69,6 +60,15 @@ async def start_chat(chat: dict[str, Any], request: Request, names: dict[str, st
         return await serving_chat.start_chat(chat_request(chat), request)
     except APIError as exc:
         raise renamed(exc, names) from None
+
+
+async def prompt_tokens(chat: dict[str, Any], request: Request, names: dict[str, str]) -> int:
+    """How many tokens ``chat``'s prompt takes, rendered as :func:`start_chat` renders it."""
+    try:
+        sm, _, prompt = await serving_chat.render(chat_request(chat), request)
+    except APIError as exc:
+        raise renamed(exc, names) from None
+    return len(sm.llm.tokenizer.encode(prompt, add_special_tokens=False))
 
 
 def renamed(exc: APIError, names: dict[str, str]) -> APIError:

@@ -50,6 +50,17 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "param": param, "code": code if code is not None else str(status)}}
 
 
+#: Anthropic's error types by HTTP status (the ``/v1/messages`` routes answer in its body).
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                   413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error body, ``{"type": "error", "error": {"type", "message"}}``."""
+    kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
 def json_error(status: int, message: str, param: str | None = None, code: str | None = None,
                headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)

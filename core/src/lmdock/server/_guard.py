@@ -8,7 +8,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from lmdock.server._errors import error_body
+from lmdock.server._errors import anthropic_error_body, error_body
 from lmdock.server._state import ServerState
 
 
@@ -28,17 +28,17 @@ class Guard:
         if st.draining:
             # Connection: close, so the client's next request opens a new connection (to another replica)
             await send_error(send, 503, "the server is shutting down; retry on another replica or later",
-                             {"Retry-After": str(st.settings.retry_after), "Connection": "close"})
+                             {"Retry-After": str(st.settings.retry_after), "Connection": "close"}, scope=scope)
             return
         refusal = self._auth_refusal(scope, headers)
         if refusal is not None:
-            await send_error(send, 401, refusal)
+            await send_error(send, 401, refusal, scope=scope)
             return
         limit = st.settings.max_body_bytes
         length = headers.get("content-length")
         too_big = f"the request body is larger than the limit of {limit} bytes ([server] max_body_bytes)"
         if length is not None and length.isdigit() and int(length) > limit:
-            await send_error(send, 413, too_big)
+            await send_error(send, 413, too_big, scope=scope)
             return
         await self._limited(scope, receive, send, limit, too_big)
 
@@ -53,7 +53,7 @@ class Guard:
         if hmac.compare_digest(given.encode("latin-1"), key.encode("utf-8")):
             return None
         what = "wrong API key" if given else "missing API key"
-        return f"{what}: send 'Authorization: Bearer <key>'"
+        return f"{what}: send 'x-api-key: <key>'" if _anthropic(scope) else f"{what}: send 'Authorization: Bearer <key>'"
 
     async def _limited(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any], limit: int,
                        too_big: str) -> None:
@@ -81,17 +81,30 @@ class Guard:
             if overflow:
                 if not replaced:
                     replaced = True
-                    await send_error(send, 413, too_big)
+                    await send_error(send, 413, too_big, scope=scope)
                 return
             await send(msg)
 
         await self.app(scope, limited, guarded_send)
 
 
-async def send_error(send: Callable[..., Any], status: int, message: str, headers: dict[str, str] | None = None) -> None:
-    """Answer with OpenAI's error body straight on the ASGI channel (before any route runs)."""
-    body = json.dumps(error_body(status, message)).encode()
+async def send_error(send: Callable[..., Any], status: int, message: str, headers: dict[str, str] | None = None,
+                     scope: dict[str, Any] | None = None) -> None:
+    """Answer straight on the ASGI channel (before any route runs), in the body the route's API uses
+    (:func:`refusal_body`)."""
+    body = json.dumps(refusal_body(scope or {}, status, message)).encode()
     hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": hdrs})
     await send({"type": "http.response.body", "body": body})
+
+
+def refusal_body(scope: dict[str, Any], status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error body on its routes (``/v1/messages``, ``.../count_tokens``), whose clients
+    read only that; OpenAI's everywhere else."""
+    return anthropic_error_body(status, message) if _anthropic(scope) else error_body(status, message)
+
+
+def _anthropic(scope: dict[str, Any]) -> bool:
+    path = scope.get("path", "")
+    return path == "/v1/messages" or path.startswith("/v1/messages/")  # type: ignore[no-any-return]

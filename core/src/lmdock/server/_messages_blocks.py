@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from lmdock.server._chat_bridge import refuse_keys
+from lmdock.server._chat_bridge import refuse_keys, string_field
 from lmdock.server._errors import APIError
 
 _BLOCK_KEYS = {
@@ -67,7 +67,7 @@ def text(content: Any, where: str) -> str:
     for at, block in _blocks(content, where):
         if block["type"] != "text":
             raise APIError(400, f"{at} is a {block['type']!r} block; only text blocks belong here", param=f"{at}.type")
-        parts.append(_string(block, "text", at))
+        parts.append(string_field(block, "text", at))
     return "\n".join(parts)
 
 
@@ -78,13 +78,13 @@ def _user(content: Any, where: str) -> list[dict[str, Any]]:
         if block["type"] == "tool_result":
             result = text(block.get("content") or "", f"{at}.content")
             # chat's tool message has no error flag: the model reads it in the text
-            out.append({"role": "tool", "tool_call_id": _string(block, "tool_use_id", at),
+            out.append({"role": "tool", "tool_call_id": string_field(block, "tool_use_id", at),
                         "content": f"Error: {result}" if block.get("is_error") else result})
         elif block["type"] == "text":
             if out and out[-1]["role"] == "user":
-                out[-1]["content"] += "\n" + _string(block, "text", at)
+                out[-1]["content"] += "\n" + string_field(block, "text", at)
             else:
-                out.append({"role": "user", "content": _string(block, "text", at)})
+                out.append({"role": "user", "content": string_field(block, "text", at)})
         else:
             raise APIError(400, f"{at} is a {block['type']} block in a user message; it belongs to the assistant",
                            param=f"{at}.type")
@@ -97,14 +97,14 @@ def _assistant(content: Any, where: str) -> dict[str, Any]:
     texts, calls, thoughts = [], [], []
     for at, block in _blocks(content, where):
         if block["type"] == "text":
-            texts.append(_string(block, "text", at))
+            texts.append(string_field(block, "text", at))
         elif block["type"] == "thinking":
-            thoughts.append(_string(block, "thinking", at))
+            thoughts.append(string_field(block, "thinking", at))
         elif block["type"] == "tool_use":
             if not isinstance(block.get("input"), dict):
                 raise APIError(400, f"{at}.input must be an object", param=f"{at}.input")
-            calls.append({"id": _string(block, "id", at), "type": "function",
-                          "function": {"name": _string(block, "name", at), "arguments": json.dumps(block["input"])}})
+            calls.append({"id": string_field(block, "id", at), "type": "function",
+                          "function": {"name": string_field(block, "name", at), "arguments": json.dumps(block["input"])}})
         else:
             raise APIError(400, f"{at} is a tool_result block in an assistant message; tool results come from the user",
                            param=f"{at}.type")
@@ -116,13 +116,6 @@ def _assistant(content: Any, where: str) -> dict[str, Any]:
     return message
 
 
-def _string(block: dict[str, Any], key: str, where: str) -> str:
-    value = block.get(key)
-    if not isinstance(value, str):
-        raise APIError(400, f"{where}.{key} must be a string", param=f"{where}.{key}")
-    return value
-
-
 def chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Anthropic's client tools (``name``, ``description``, ``input_schema``) as chat's function tools."""
     out = []
@@ -132,7 +125,7 @@ def chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise APIError(400, f"{where} is a {tool['type']!r} tool; lmdock serve runs client tools only "
                                 "(name, description, input_schema)", param=f"{where}.type")
         refuse_keys(tool, _TOOL_KEYS, where)
-        function = {"name": _string(tool, "name", where), "parameters": tool.get("input_schema") or {"type": "object"}}
+        function = {"name": string_field(tool, "name", where), "parameters": tool.get("input_schema") or {"type": "object"}}
         if tool.get("description") is not None:
             function["description"] = tool["description"]
         out.append({"type": "function", "function": function})
@@ -150,5 +143,5 @@ def chat_tool_choice(choice: dict[str, Any]) -> tuple[str | dict[str, Any], bool
     refuse_keys(choice, frozenset(known[kind]), "tool_choice")
     parallel = None if choice.get("disable_parallel_tool_use") is None else not choice["disable_parallel_tool_use"]
     if kind == "tool":
-        return {"type": "function", "function": {"name": _string(choice, "name", "tool_choice")}}, parallel
+        return {"type": "function", "function": {"name": string_field(choice, "name", "tool_choice")}}, parallel
     return {"auto": "auto", "any": "required", "none": "none"}[kind], parallel

@@ -23,7 +23,10 @@ from lmdock.server._errors import APIError
 from lmdock.server._structured import structured_output
 
 
-class _Body(BaseModel):
+class StrictBody(BaseModel):
+    """A request body (or a part of one) that refuses a field it does not know, naming it and the
+    closest known one, and a string that is no valid Unicode (a lone surrogate), naming where."""
+
     model_config = ConfigDict(extra="ignore")  # a null unknown field; any other is refused below
 
     @model_validator(mode="before")
@@ -65,11 +68,11 @@ def unknown_field(key: str, known: Any) -> str:
     return f"unknown field {key!r}: lmdock serve refuses what it would not honour; {hint}"
 
 
-class StreamOptions(_Body):
+class StreamOptions(StrictBody):
     include_usage: bool = False
 
 
-class StructuredOutputs(_Body):
+class StructuredOutputs(StrictBody):
     """vLLM's ``structured_outputs`` object: one of these."""
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # not BaseModel.json
@@ -79,7 +82,7 @@ class StructuredOutputs(_Body):
     json_object: bool | None = None
 
 
-class _Sampling(_Body):
+class _Sampling(StrictBody):
     # OpenAI's ranges (a float past them, or inf/nan, is a 400 naming the field, as OpenAI answers)
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=0)
@@ -182,7 +185,7 @@ class CompletionRequest(_Sampling):
         return out
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(StrictBody):
     type: Literal["text", "json_object", "json_schema"] = "text"
     json_schema: dict[str, Any] | None = None
 
@@ -223,7 +226,7 @@ class ChatRequest(_Sampling):
         return out
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(StrictBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
@@ -232,12 +235,12 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(StrictBody):
     model: str | None = None
     tokens: list[int]
 
 
-class EmbeddingRequest(_Body):
+class EmbeddingRequest(StrictBody):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
@@ -246,13 +249,13 @@ class EmbeddingRequest(_Body):
     user: str | None = None
 
 
-class ScoreRequest(_Body):
+class ScoreRequest(StrictBody):
     model: str | None = None
     text_1: str | list[str]
     text_2: str | list[str]
 
 
-class RerankRequest(_Body):
+class RerankRequest(StrictBody):
     model: str | None = None
     query: str
     documents: list[str]

@@ -1,26 +1,37 @@
 """The Responses API's request in chat terms: ``input`` items become chat messages, its flat function
 tools and ``tool_choice`` chat's nested ones, ``text.format`` chat's ``response_format``.
 
+A ``custom`` tool (free-form: its call's input is any text, such as Codex's ``apply_patch``) is a
+chat function taking one string, ``{"input": "..."}``.  Its ``format``: a regex grammar becomes that
+string's JSON-schema ``pattern``, which the tool grammar enforces wherever calls are constrained; a
+Lark grammar cannot be held inside a JSON string, so it is only shown to the model (in the
+parameter's description) and not enforced.
+
 Input items are read loosely typed (they come in many shapes, most of which a text server cannot
 honour), each kind with its known keys: anything else is a 400 naming the item and what to send.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from lmdock.server._chat_bridge import refuse_keys
+from lmdock.server._chat_bridge import refuse_keys, string_field
 from lmdock.server._errors import APIError
+from lmdock.server._responses_output import read_reasoning_token
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _MESSAGE_KEYS = frozenset({"type", "role", "content", "id", "status", "phase"})
 _CALL_KEYS = frozenset({"type", "call_id", "name", "arguments", "id", "status"})
+_CUSTOM_CALL_KEYS = frozenset({"type", "call_id", "name", "input", "id", "status"})
 _OUTPUT_KEYS = frozenset({"type", "call_id", "output", "id", "status"})
+_CUSTOM_OUTPUT_KEYS = frozenset({"type", "call_id", "output", "id", "status", "name"})
 _REASONING_KEYS = frozenset({"type", "id", "summary", "content", "encrypted_content", "status"})
 _TEXT_PARTS = {"input_text": frozenset({"type", "text"}), "output_text": frozenset({"type", "text", "annotations", "logprobs"}),
                "refusal": frozenset({"type", "refusal"}), "reasoning_text": frozenset({"type", "text"}),
                "summary_text": frozenset({"type", "text"})}
 _TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
+_CUSTOM_TOOL_KEYS = frozenset({"type", "name", "description", "format"})
 
 
 def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
@@ -44,15 +55,15 @@ def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
                 out.append(message)
         elif kind == "reasoning":
             out.append({"role": "assistant", "content": "", "reasoning_content": _reasoning(item, where)})
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
             _add_call(out, item, where)
-        elif kind == "function_call_output":
-            refuse_keys(item, _OUTPUT_KEYS, where)
-            out.append({"role": "tool", "tool_call_id": _text_field(item, "call_id", where),
+        elif kind in ("function_call_output", "custom_tool_call_output"):
+            refuse_keys(item, _OUTPUT_KEYS if kind == "function_call_output" else _CUSTOM_OUTPUT_KEYS, where)
+            out.append({"role": "tool", "tool_call_id": string_field(item, "call_id", where),
                         "content": _text(item.get("output"), f"{where}.output")})
         else:
-            raise APIError(400, f"{where} is a {kind!r} item; lmdock serve takes message, reasoning, function_call and "
-                                "function_call_output items", param=f"{where}.type")
+            raise APIError(400, f"{where} is a {kind!r} item; lmdock serve takes message, reasoning, function_call, "
+                                "function_call_output, custom_tool_call and custom_tool_call_output items", param=f"{where}.type")
     return out
 
 
@@ -66,29 +77,32 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
 
 def _reasoning(item: dict[str, Any], where: str) -> str:
     refuse_keys(item, _REASONING_KEYS, where)
-    if item.get("encrypted_content") is not None:
-        raise APIError(400, f"{where}.encrypted_content: lmdock cannot read another server's encrypted reasoning; "
-                            "leave the item out", param=f"{where}.encrypted_content")
+    token = item.get("encrypted_content")
+    if token is not None:
+        text = read_reasoning_token(token) if isinstance(token, str) else None
+        if text is None:
+            raise APIError(400, f"{where}.encrypted_content is not a reasoning token from lmdock serve: lmdock cannot "
+                                "read another server's encrypted reasoning; leave the item out", param=f"{where}.encrypted_content")
+        return text
     if item.get("content"):
         return _text(item["content"], f"{where}.content")
     return _text(item.get("summary") or [], f"{where}.summary")
 
 
 def _add_call(out: list[dict[str, Any]], item: dict[str, Any], where: str) -> None:
-    refuse_keys(item, _CALL_KEYS, where)
-    call = {"id": _text_field(item, "call_id", where), "type": "function",
-            "function": {"name": _text_field(item, "name", where), "arguments": _text_field(item, "arguments", where)}}
+    """A function or custom tool call as chat's call (a custom one's input as ``{"input": ...}`` arguments)."""
+    if item.get("type") == "custom_tool_call":
+        refuse_keys(item, _CUSTOM_CALL_KEYS, where)
+        arguments = json.dumps({"input": string_field(item, "input", where)})
+    else:
+        refuse_keys(item, _CALL_KEYS, where)
+        arguments = string_field(item, "arguments", where)
+    call = {"id": string_field(item, "call_id", where), "type": "function",
+            "function": {"name": string_field(item, "name", where), "arguments": arguments}}
     if out and out[-1]["role"] == "assistant":
         out[-1].setdefault("tool_calls", []).append(call)
     else:  # "" rather than None: templates that trim or join content do not all take None
         out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-
-
-def _text_field(item: dict[str, Any], key: str, where: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str):
-        raise APIError(400, f"{where}.{key} must be a string", param=f"{where}.{key}")
-    return value
 
 
 def _text(content: Any, where: str) -> str:
@@ -105,17 +119,21 @@ def _text(content: Any, where: str) -> str:
             raise APIError(400, f"{where}.{j} is a {kind!r} part; lmdock serves text models, which would not see it: "
                                 "send input_text parts only", param=f"{where}.{j}.type")
         refuse_keys(part, _TEXT_PARTS[kind], f"{where}.{j}")
-        texts.append(_text_field(part, "refusal" if kind == "refusal" else "text", f"{where}.{j}"))
+        texts.append(string_field(part, "refusal" if kind == "refusal" else "text", f"{where}.{j}"))
     return "\n".join(texts)
 
 
 def chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Responses' flat function tools (``{type, name, parameters}``) as chat's (``{type, function: {...}}``)."""
+    """Responses' flat function tools (``{type, name, parameters}``) as chat's (``{type, function: {...}}``);
+    a custom tool as a function taking one string, ``input``."""
     out = []
     for i, tool in enumerate(tools):
         where = f"tools.{i}"
+        if tool.get("type") == "custom":
+            out.append(_custom_tool(tool, where))
+            continue
         if tool.get("type") != "function":
-            raise APIError(400, f"{where} is a {tool.get('type')!r} tool; lmdock serve runs function tools only "
+            raise APIError(400, f"{where} is a {tool.get('type')!r} tool; lmdock serve runs function and custom tools only "
                                 "(the client runs them and sends back function_call_output)", param=f"{where}.type")
         refuse_keys(tool, _TOOL_KEYS, where)
         out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters", "strict")
@@ -123,15 +141,44 @@ def chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def custom_names(tools: list[dict[str, Any]] | None) -> frozenset[str]:
+    """The names of the custom tools among ``tools`` (their calls are ``custom_tool_call`` items)."""
+    return frozenset(t.get("name") for t in tools or () if isinstance(t, dict) and t.get("type") == "custom")  # type: ignore[misc]
+
+
+def _custom_tool(tool: dict[str, Any], where: str) -> dict[str, Any]:
+    refuse_keys(tool, _CUSTOM_TOOL_KEYS, where)
+    fmt = tool.get("format") or {"type": "text"}
+    if fmt.get("type") == "grammar":
+        refuse_keys(fmt, frozenset({"type", "syntax", "definition"}), f"{where}.format")
+        if fmt.get("syntax") not in ("lark", "regex") or not isinstance(fmt.get("definition"), str):
+            raise APIError(400, f"{where}.format: a grammar format has syntax lark or regex and a definition string",
+                           param=f"{where}.format")
+    elif fmt.get("type") == "text":
+        refuse_keys(fmt, frozenset({"type"}), f"{where}.format")
+    else:
+        raise APIError(400, f"{where}.format.type {fmt.get('type')!r}: one of text, grammar", param=f"{where}.format.type")
+    value: dict[str, Any] = {"type": "string", "description": "the tool's input, free-form text"}
+    if fmt.get("syntax") == "regex":
+        value["pattern"] = f"^(?:{fmt['definition']})$"  # the whole input matches (a schema's pattern is a search)
+    elif fmt.get("syntax") == "lark":
+        value["description"] += f" in this Lark grammar:\n{fmt['definition']}"
+    function = {"name": string_field(tool, "name", where),
+                "parameters": {"type": "object", "properties": {"input": value}, "required": ["input"], "additionalProperties": False}}
+    if tool.get("description"):
+        function["description"] = tool["description"]
+    return {"type": "function", "function": function}
+
+
 def chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
-    """``tool_choice``: ``none``, ``auto``, ``required`` as they are; ``{type: function, name}`` as chat's."""
+    """``tool_choice``: ``none``, ``auto``, ``required`` as they are; ``{type: function | custom, name}`` as chat's."""
     if isinstance(choice, str):
         if choice not in ("none", "auto", "required"):
             raise APIError(400, f"tool_choice {choice!r}: one of none, auto, required, or {{type: function, name}}", param="tool_choice")
         return choice
     refuse_keys(choice, frozenset({"type", "name"}), "tool_choice")
-    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-        raise APIError(400, "tool_choice: lmdock serve takes none, auto, required, or {type: function, name}",
+    if choice.get("type") not in ("function", "custom") or not isinstance(choice.get("name"), str):
+        raise APIError(400, "tool_choice: lmdock serve takes none, auto, required, or {type: function | custom, name}",
                        param="tool_choice")
     return {"type": "function", "function": {"name": choice["name"]}}
 

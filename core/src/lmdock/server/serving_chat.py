@@ -50,9 +50,7 @@ async def start_chat(body: ChatRequest, request: Request) -> ChatRun:
     """Admit, render and submit a chat request: the :class:`ChatRun` to read it from.  Raises
     :class:`APIError` (400 naming the field, 404, 429...) before anything is sent."""
     st = state_of(request)
-    sm = await st.model(body.model, request, body.keep_alive)
-    plan = _plan(sm, body, st.retry_after)
-    prompt = await _render(st, sm, body, plan)
+    sm, plan, prompt = await render(body, request)
     try:
         params = sm.llm.constrained(st.sampling_params(sm, body.overrides(), body), plan)
     except LmdockError as exc:
@@ -60,6 +58,15 @@ async def start_chat(body: ChatRequest, request: Request) -> ChatRun:
     admission, streams, firsts = await submit_admitted(request, st, sm, [prompt], params, add_special_tokens=False,
                                                        max_tokens_field=body.max_tokens_field())
     return ChatRun(body, request, sm, plan, admission, streams, firsts, st.retry_after, params.n)
+
+
+async def render(body: ChatRequest, request: Request) -> tuple[ServedModel, Any, str]:
+    """The model, the tools' plan and the prompt a chat request renders to: what :func:`start_chat`
+    submits, and what ``/v1/messages/count_tokens`` counts."""
+    st = state_of(request)
+    sm = await st.model(body.model, request, body.keep_alive)
+    plan = _plan(sm, body, st.retry_after)
+    return sm, plan, await _render(st, sm, body, plan)
 
 
 def _plan(sm: ServedModel, body: ChatRequest, retry: int) -> Any:
@@ -168,9 +175,10 @@ class ChatRun:
                     delta["content"] = piece.content
                 if piece.calls:
                     delta["tool_calls"] = [call.openai() for call in piece.calls]
-                reason = finish_reason(c, reads[c.index].tool_calls) if c.finished else None
-                yield self._chunk([{"index": c.index, "delta": delta, "logprobs": self.logprobs(c, d.token_start),
-                                    "finish_reason": reason}])
+                choice = {"index": c.index, "delta": delta, "logprobs": self.logprobs(c, d.token_start), "finish_reason": None}
+                if c.finished:  # vLLM's stop_reason too: the stop string or token that ended the text
+                    choice.update(finish_reason=finish_reason(c, reads[c.index].tool_calls), stop_reason=c.stop_reason)
+                yield self._chunk([choice])
             if self.body.stream_options and self.body.stream_options.include_usage:
                 yield self._chunk([], usage=usage(last))
         finally:

@@ -23,23 +23,13 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import Field, model_validator
 
-from lmdock._errors import LmdockError
-from lmdock.server._chat_bridge import StrictBody, start_chat, typed_sse
-from lmdock.server._errors import APIError, as_api_error
+from lmdock.server._chat_bridge import prompt_tokens, start_chat, typed_sse
+from lmdock.server._errors import APIError, anthropic_error_body
 from lmdock.server._messages_blocks import chat_messages, chat_tool_choice, chat_tools
-from lmdock.server._state import state_of
-from lmdock.server._templates import render_bounded
+from lmdock.server._protocol import StrictBody
 
-#: Anthropic's error types by HTTP status.
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-               413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
 #: Chat's field names in errors from the chat path, as this API calls them.
 NAMES = {"stop": "stop_sequences"}
-
-
-def error_body(status: int, message: str) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"),
-                                       "message": message}}
 
 
 class _AnthropicErrors(APIRoute):
@@ -66,7 +56,7 @@ async def _reshaped(request: Request, exc: Exception) -> Response:
     openai = await handler(request, exc)
     message = json.loads(bytes(openai.body))["error"]["message"]
     headers = {k: v for k, v in openai.headers.items() if k.lower() not in ("content-length", "content-type")}
-    return JSONResponse(error_body(openai.status_code, message), status_code=openai.status_code, headers=headers)
+    return JSONResponse(anthropic_error_body(openai.status_code, message), status_code=openai.status_code, headers=headers)
 
 
 router = APIRouter(route_class=_AnthropicErrors)
@@ -145,23 +135,13 @@ async def create(body: MessagesRequest, request: Request) -> Response:
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
     """The tokens the conversation's prompt takes, rendered as ``/v1/messages`` renders it."""
-    st = state_of(request)
-    sm = await st.model(body.model, request)
-    chat = body.chat()
-    kwargs = chat.get("chat_template_kwargs")
-    try:
-        plan = sm.llm.chat_plan(chat.get("tools"), chat.get("tool_choice"), chat.get("parallel_tool_calls"), sm.chat_template, kwargs)
-        text = await render_bounded(lambda: sm.llm.render_chat(chat["messages"], sm.chat_template, True, False, kwargs,
-                                                               tools=plan.template_tools), st.settings)
-        return {"input_tokens": len(sm.llm.tokenizer.encode(text, add_special_tokens=False))}
-    except LmdockError as exc:
-        raise as_api_error(exc, st.retry_after, sm.hide) from None
+    return {"input_tokens": await prompt_tokens(body.chat(), request, NAMES)}
 
 
 def _error_event(err: dict[str, Any]) -> dict[str, Any]:
     """A failure after the start (OpenAI's error body) as Anthropic's ``error`` event."""
     code = str(err.get("code") or "")
-    return error_body(int(code) if code.isdigit() else 500, err.get("message") or "")
+    return anthropic_error_body(int(code) if code.isdigit() else 500, err.get("message") or "")
 
 
 def _stop(choice: dict[str, Any], sequences: list[str] | None) -> tuple[str, str | None]:

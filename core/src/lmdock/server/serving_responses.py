@@ -18,11 +18,18 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, model_validator
 
-from lmdock.server._chat_bridge import StrictBody, start_chat, typed_sse
+from lmdock.server._chat_bridge import start_chat, typed_sse
 from lmdock.server._errors import APIError
+from lmdock.server._protocol import StrictBody
 from lmdock.server._response_store import ResponseStore, Stored
-from lmdock.server._responses_items import chat_response_format, chat_tool_choice, chat_tools, input_messages
-from lmdock.server._responses_output import EventSequence, assistant, new_id, output_items
+from lmdock.server._responses_items import (
+    chat_response_format,
+    chat_tool_choice,
+    chat_tools,
+    custom_names,
+    input_messages,
+)
+from lmdock.server._responses_output import EventSequence, Outputs, assistant, new_id
 from lmdock.server._state import state_of
 
 router = APIRouter()
@@ -34,7 +41,24 @@ NAMES = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output
 
 class TextConfig(StrictBody):
     format: dict[str, Any] | None = None
-    verbosity: str | None = None  # refused unless null (see _honourable)
+    # OpenAI's default, which is what a model does unasked; low and high would need a knob the served models lack
+    verbosity: Literal["medium"] | None = None
+
+
+class Reasoning(StrictBody):
+    """``effort`` none or minimal turns a model's thinking off (``enable_thinking: false`` to its
+    template), any other on (``true``): lmdock cannot grade how long a model thinks.  ``summary``
+    asks for the reasoning item's ``summary``, which is the reasoning text itself (lmdock has no
+    summarizer); ``none`` for none."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed", "none"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed", "none"] | None = None  # summary's older name
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        if self.effort is None:
+            return None
+        return {"enable_thinking": self.effort not in ("none", "minimal")}
 
 
 class ResponsesRequest(StrictBody):
@@ -53,43 +77,32 @@ class ResponsesRequest(StrictBody):
     metadata: dict[str, str] | None = None
     user: str | None = None
     text: TextConfig | None = None
-    reasoning: dict[str, Any] | None = None  # refused unless its settings are null (see _honourable)
+    reasoning: Reasoning | None = None
     truncation: Literal["disabled"] | None = None  # "auto" would drop turns silently: refused
     include: list[str] | None = None
     prompt_cache_key: str | None = None  # a hint: lmdock's prefix cache needs no key
     service_tier: Literal["auto", "default"] | None = None
+    client_metadata: dict[str, str] | None = None  # about the client (Codex sends it), for a provider's logs: nothing to do
 
     @model_validator(mode="after")
     def _honourable(self) -> ResponsesRequest:
         """Settings the served models have no knob for are refused, each naming what there is instead."""
-        if self.include:
-            raise APIError(400, f"include {self.include}: lmdock serve has no extra output data to include "
-                                "(logprobs, reasoning content, encrypted content); send none", param="include")
-        for key, value in (self.reasoning or {}).items():
-            if value is not None:
-                raise APIError(400, f"reasoning.{key}: the served models take no reasoning settings (a model's reasoning "
-                                    "parser is set per model in the config: [models.NAME] reasoning_parser)",
-                               param=f"reasoning.{key}")
+        other = [x for x in self.include or () if x != "reasoning.encrypted_content"]
+        if other:
+            raise APIError(400, f"include {other}: lmdock serve has no such output data to include (logprobs, "
+                                "sources, images); it includes reasoning.encrypted_content only", param="include")
         self._check_metadata()
-        if self.text is not None and self.text.verbosity is not None:
-            raise APIError(400, "text.verbosity: the served models take no verbosity setting; ask in the instructions",
-                           param="text.verbosity")
         return self
 
     def _check_metadata(self) -> None:
-        """OpenAI's bounds on ``metadata`` (it comes back in the response and the store keeps it), and
-        text only: the chat path checks every other text, this one it never sees."""
+        """OpenAI's bounds on ``metadata`` (it comes back in the response and the store keeps it; the
+        chat path never sees it, and ``StrictBody`` checks that it is valid text)."""
         metadata = self.metadata or {}
         if len(metadata) > 16:
             raise APIError(400, f"metadata has {len(metadata)} keys; at most 16", param="metadata")
         for key, value in metadata.items():
             if len(key) > 64 or len(value) > 512:
                 raise APIError(400, f"metadata.{key}: keys are at most 64 characters, values 512", param=f"metadata.{key}")
-            try:
-                (key + value).encode("utf-8")
-            except UnicodeEncodeError:
-                raise APIError(400, "metadata holds a lone UTF-16 surrogate (such as \\ud800), which is not text: "
-                                    "send valid Unicode", param="metadata") from None
 
     def chat(self, history: tuple[dict[str, Any], ...]) -> dict[str, Any]:
         """This request as a chat request over ``history`` (the conversation so far, this input included)."""
@@ -101,7 +114,15 @@ class ResponsesRequest(StrictBody):
                         tool_choice=None if self.tool_choice is None else chat_tool_choice(self.tool_choice))
         if self.text is not None and self.text.format is not None:
             chat["response_format"] = chat_response_format(self.text.format)
+        if self.reasoning is not None and self.reasoning.template_kwargs() is not None:
+            chat["chat_template_kwargs"] = self.reasoning.template_kwargs()
         return chat
+
+    def outputs(self) -> Outputs:
+        """How this response's items look: its custom tools' calls, and what reasoning items carry."""
+        r = self.reasoning
+        return Outputs(custom_names(self.tools), summary=r is not None and (r.summary or r.generate_summary or "none") != "none",
+                       token="reasoning.encrypted_content" in (self.include or ()))
 
 
 @router.post("/v1/responses")
@@ -115,7 +136,7 @@ async def create(body: ResponsesRequest, request: Request) -> Response:
     turn = _Turn(body, name, history, store)
     run = await start_chat(body.chat(history), request, NAMES, body.stream)
     if body.stream:
-        seq = EventSequence()
+        seq = EventSequence(body.outputs())
         return typed_sse(request, run, turn.events(run.chunks(), seq), seq.error)
     return JSONResponse(turn.whole(await run.whole()))
 
@@ -181,9 +202,10 @@ class _Turn:
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": self.model,
                 "output": output, "parallel_tool_calls": b.parallel_tool_calls is not False,
-                "previous_response_id": b.previous_response_id, "reasoning": None, "store": b.store,
+                "previous_response_id": b.previous_response_id, "store": b.store,
+                "reasoning": b.reasoning.model_dump(exclude_none=True) if b.reasoning else None,
                 "temperature": b.temperature, "top_p": b.top_p,
-                "text": {"format": (b.text.format if b.text and b.text.format else {"type": "text"})},
+                "text": {"format": (b.text.format if b.text and b.text.format else {"type": "text"}), "verbosity": "medium"},
                 "tool_choice": b.tool_choice if b.tool_choice is not None else "auto", "tools": b.tools or [],
                 "truncation": "disabled", "usage": _usage(usage), "user": b.user, "metadata": b.metadata or {}}
 
@@ -199,7 +221,7 @@ class _Turn:
     def whole(self, completion: dict[str, Any]) -> dict[str, Any]:
         choice = completion["choices"][0]
         status = "incomplete" if choice["finish_reason"] == "length" else "completed"
-        return self.finish(status, output_items(choice["message"], status), completion.get("usage"), choice["message"])
+        return self.finish(status, self.body.outputs().items(choice["message"], status), completion.get("usage"), choice["message"])
 
     async def events(self, chunks: AsyncIterator[dict[str, Any]], seq: EventSequence) -> AsyncIterator[dict[str, Any]]:
         """The chat chunks as the Responses API's event sequence (numbered by ``seq``)."""
