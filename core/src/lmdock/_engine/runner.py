@@ -55,7 +55,7 @@ from lmdock._engine.sampler import LogitsProcessor, Sample, Sampler
 from lmdock._engine.sampling import sample_contained
 from lmdock._engine.scheduler import Scheduler
 from lmdock._engine.sequence import QuerySeq, Req, Seq, live
-from lmdock._engine.validate import check_ids, check_request, compile_constraints
+from lmdock._engine.validate import check_ids, check_request, compile_constraints, prepare_lora
 from lmdock._errors import BackendError, EngineClosedError, RequestError
 
 log = logging.getLogger("lmdock.engine")
@@ -131,6 +131,7 @@ class StepRunner:
         processors = check_request(request, self.engine.vocab_size, self.max_seq_len, self._processors_for)
         bad_words = bad_words_ids(request.params.bad_words, self.tokenizer, self.engine.vocab_size)
         constraints = compile_constraints(request, self._constraints_for)
+        prepare_lora(self.engine, request)
         self._inbox.post(Add(request, sink, processors, constraints, bad_words))
 
     def abort(self, request_id: str) -> None:
