@@ -137,3 +137,15 @@ def test_a_vllm_lora_request_object_is_read_by_its_attributes(fakelora: FakeLora
     with LLM("m", backend="fakelora") as llm:
         out = llm.generate([PROMPT], GREEDY, lora_request=VllmLoRARequest())[0]
     assert out.outputs[0].token_ids == [22] * 6
+
+
+def test_lora_limits_on_a_backend_without_lora_are_refused(fake: Any) -> None:
+    with pytest.raises(UnsupportedError, match=r"build.max_loras: backend 'fake' cannot run LoRA adapters"):
+        LLM("m", backend="fake", build={"max_loras": 2})
+    with pytest.raises(lmdock.ConfigError, match="max_lora_rank"):
+        LLM("m", backend="fake", build={"max_lora_rank": 0})
+
+
+def test_lora_limits_reach_a_backend_with_lora(fakelora: FakeLoraPlugin) -> None:
+    with LLM("m", backend="fakelora", build={"max_loras": 2, "max_lora_rank": 8}) as llm:
+        assert (llm.model_config.build.max_loras, llm.model_config.build.max_lora_rank) == (2, 8)

@@ -151,6 +151,7 @@ def _load_one(spec: BackendSpec, mc: ModelConfig, registry: Any) -> RequestEngin
         quant = hook.lmdock_translate_quantization(backend=spec.name, quant=mc.quantization, model_config=mc)
         if quant is None:
             raise UnsupportedError(f"backend {spec.name!r} cannot quantize ({mc.quantization.algo!r}); remove [quantization] or pick another backend")
+    _check_lora_limits(spec, mc)
     build_args = hook.lmdock_translate_build_config(backend=spec.name, model_config=mc) or {}
     engine = hook.lmdock_load_engine(backend=spec.name, model_config=mc, options=options, quantization=quant, build=build_args)
     if engine is None:
@@ -163,6 +164,15 @@ def _load_one(spec: BackendSpec, mc: ModelConfig, registry: Any) -> RequestEngin
     if spec.kind == "request":
         return engine
     return _wrap_step_engine(engine, spec, mc, hook)
+
+
+def _check_lora_limits(spec: BackendSpec, mc: ModelConfig) -> None:
+    """``build.max_loras`` / ``max_lora_rank`` on a backend that cannot run adapters is refused, not ignored."""
+    asked = [k for k in ("max_loras", "max_lora_rank") if getattr(mc.build, k) is not None]
+    ok, reason = spec.capability("lora")
+    if asked and not ok:
+        raise UnsupportedError(f"build.{' and build.'.join(asked)}: backend {spec.name!r} cannot run LoRA adapters ({reason}); "
+                               "remove it, or pick a backend that lists lora in `lmdock backends`")
 
 
 def _wrap_step_engine(engine: Any, spec: BackendSpec, mc: ModelConfig, hook: Any) -> RequestEngine:

@@ -381,8 +381,14 @@ class BuildConfig(_Editable, _Replaceable):
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor: Literal["auto", "mp", "ray"] = "auto"
+    #: LoRA adapters (``LoRARequest``) kept loaded at once (None: the backend's default), and the
+    #: largest rank an adapter may have (None: any); a backend without ``lora`` refuses either
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
 
     def __post_init__(self) -> None:
+        _int("max_loras", self.max_loras, 1)
+        _int("max_lora_rank", self.max_lora_rank, 1)
         _int("max_batch_size", self.max_batch_size, 1)
         _int("max_num_tokens", self.max_num_tokens, 1)
         _int("max_seq_len", self.max_seq_len, 1)
