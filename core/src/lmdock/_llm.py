@@ -214,15 +214,17 @@ class LLM:
             raise RequestError(f"tokenizer_kwargs {sorted(tokenizer_kwargs)}: the tokenizer's encode refused them ({exc})") from None
 
     def make_request(self, prompt: Prompt, sampling_params: ParamsArg = None, *, stream: bool = False,
-                     add_special_tokens: bool = True) -> EngineRequest:
+                     add_special_tokens: bool = True, lora_request: LoRARequest | None = None) -> EngineRequest:
         """The engine request a call would submit, for a caller that drives :attr:`engine` itself (as
         ``lmdock serve`` does, to stream many requests on its event loop): ``llm.engine.submit(request,
         sink)``, then ``llm.engine.abort(request.request_id)`` if it stops listening first.
 
         The prompt is tokenized (``add_special_tokens``: the tokenizer's BOS and such, off for a
         rendered chat template that holds them) and checked; ``stream``: the engine sends every
-        snapshot, not only the last.  Raises RequestError or ConfigError as :meth:`generate` would."""
-        return self._request(prompt, self._params(sampling_params), stream, add_special_tokens)
+        snapshot, not only the last; ``lora_request``: the adapter to run under.  Raises RequestError or
+        ConfigError as :meth:`generate` would."""
+        (lora,) = lora_per_prompt(lora_request, 1)
+        return self._request(prompt, self._params(sampling_params), stream, add_special_tokens, lora_request=lora)
 
     def _tokenizer(self) -> Any:
         if self.tokenizer is None:
