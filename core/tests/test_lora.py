@@ -149,3 +149,21 @@ def test_lora_limits_on_a_backend_without_lora_are_refused(fake: Any) -> None:
 def test_lora_limits_reach_a_backend_with_lora(fakelora: FakeLoraPlugin) -> None:
     with LLM("m", backend="fakelora", build={"max_loras": 2, "max_lora_rank": 8}) as llm:
         assert (llm.model_config.build.max_loras, llm.model_config.build.max_lora_rank) == (2, 8)
+
+
+def test_an_adapter_declared_in_the_config_is_named_by_its_name(fakelora: FakeLoraPlugin, isolated: Any) -> None:
+    (isolated / "lmdock.toml").write_text('[models.m]\nmodel = "m"\nbackend = "fakelora"\n[models.m.adapters]\n"bias-20" = "adapters/b20"\n')
+    with LLM("m") as llm:
+        assert llm.model_config.adapters == {"bias-20": str(isolated / "adapters" / "b20")}
+        assert llm.generate([PROMPT], GREEDY, lora_request="bias-20")[0].outputs[0].token_ids == [20] * 6
+        with pytest.raises(RequestError, match=r"lora_request 'sql': the model declares no such adapter \(declared: bias-20\)"):
+            llm.generate([PROMPT], GREEDY, lora_request="sql")
+
+
+def test_declared_adapters_on_a_backend_without_lora_are_refused(fake: Any, isolated: Any) -> None:
+    (isolated / "lmdock.toml").write_text('[models.m]\nmodel = "m"\nbackend = "fake"\n[models.m.adapters]\nsql = "a"\n')
+    with pytest.raises(UnsupportedError, match=r"\[models.NAME.adapters\]: backend 'fake' cannot run LoRA adapters"):
+        LLM("m")
+    (isolated / "lmdock.toml").write_text('[models.m]\nmodel = "m"\nbackend = "fake"\n[models.m.adapters]\n"a:b" = "a"\n')
+    with pytest.raises(lmdock.ConfigError, match="an adapter name is letters"):
+        LLM("m")

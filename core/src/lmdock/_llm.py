@@ -19,7 +19,7 @@ from lmdock._aliases import constructor_options
 from lmdock._contract import EngineRequest, RequestEngine
 from lmdock._errors import ConfigError, EngineClosedError, QueueFullError, RequestError, UnsupportedError
 from lmdock._loader import load_engine, resolve_model
-from lmdock._lora import LoRARequest, lora_per_prompt
+from lmdock._lora import LoRAArg, LoRARequest, lora_per_prompt
 from lmdock._outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
 from lmdock._params import EditableSamplingParams, SamplingParams
 from lmdock._pooling_calls import PoolingArg, PoolingCalls
@@ -214,7 +214,7 @@ class LLM:
             raise RequestError(f"tokenizer_kwargs {sorted(tokenizer_kwargs)}: the tokenizer's encode refused them ({exc})") from None
 
     def make_request(self, prompt: Prompt, sampling_params: ParamsArg = None, *, stream: bool = False,
-                     add_special_tokens: bool = True, lora_request: LoRARequest | None = None) -> EngineRequest:
+                     add_special_tokens: bool = True, lora_request: LoRAArg = None) -> EngineRequest:
         """The engine request a call would submit, for a caller that drives :attr:`engine` itself (as
         ``lmdock serve`` does, to stream many requests on its event loop): ``llm.engine.submit(request,
         sink)``, then ``llm.engine.abort(request.request_id)`` if it stops listening first.
@@ -223,7 +223,7 @@ class LLM:
         rendered chat template that holds them) and checked; ``stream``: the engine sends every
         snapshot, not only the last; ``lora_request``: the adapter to run under.  Raises RequestError or
         ConfigError as :meth:`generate` would."""
-        (lora,) = lora_per_prompt(lora_request, 1)
+        (lora,) = lora_per_prompt(lora_request, 1, self.model_config.adapters)
         return self._request(prompt, self._params(sampling_params), stream, add_special_tokens, lora_request=lora)
 
     def _tokenizer(self) -> Any:
@@ -244,7 +244,7 @@ class LLM:
         use_tqdm: bool | None = None,
         prompt_token_ids: Any = None,
         tokenizer_kwargs: dict[str, Any] | None = None,
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        lora_request: LoRAArg | Sequence[LoRAArg] = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a batch; returns one ``RequestOutput`` per prompt, in order.
 
@@ -252,14 +252,15 @@ class LLM:
         [...]}`` dict.  ``sampling_params`` is one for all prompts or a list with one per prompt; a dict
         overrides fields of :meth:`get_default_sampling_params`.  furiosa-llm's ``prompt_token_ids`` (a
         ``BatchEncoding`` or lists of ids) replaces the prompts' tokenization; ``tokenizer_kwargs`` go
-        to the tokenizer's ``encode``.  ``lora_request`` (a :class:`LoRARequest`, or one or None per
-        prompt) runs prompts under LoRA adapters, on a backend that declares ``lora``.
+        to the tokenizer's ``encode``.  ``lora_request`` (a :class:`LoRARequest` or the name of an
+        adapter in ``[models.NAME.adapters]``; one, or one or None per prompt) runs prompts under LoRA
+        adapters, on a backend that declares ``lora``.
         """
         batch = token_id_prompts(prompt_token_ids, prompts)
         plist = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(batch)
         if len(plist) != len(batch):
             raise RequestError(f"got {len(plist)} sampling_params for {len(batch)} prompts")
-        loras = lora_per_prompt(lora_request, len(batch))
+        loras = lora_per_prompt(lora_request, len(batch), self.model_config.adapters)
         requests = [indexed(i, len(batch), self._request, p, self._params(sp), tokenizer_kwargs=tokenizer_kwargs, lora_request=lr)
                     for i, (p, sp, lr) in enumerate(zip(batch, plist, loras))]
         return self._run_batch(requests, use_tqdm)
@@ -311,7 +312,7 @@ class LLM:
         *,
         use_tqdm: bool | None = None,
         chat_template_content_format: str = "auto",
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        lora_request: LoRAArg | Sequence[LoRAArg] = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template.
 
@@ -328,7 +329,7 @@ class LLM:
         ]
         params = self._params(sampling_params)
         # The template writes the special tokens itself (BOS...), so they are not added again.
-        loras = lora_per_prompt(lora_request, len(prompts))
+        loras = lora_per_prompt(lora_request, len(prompts), self.model_config.adapters)
         requests = [indexed(i, len(prompts), self._request, p, params, add_special_tokens=False, lora_request=lr)
                     for i, (p, lr) in enumerate(zip(prompts, loras))]
         return self._run_batch(requests, use_tqdm)
@@ -361,11 +362,11 @@ class LLM:
             raise RequestError(f"the chat template failed: {type(exc).__name__}: {exc}") from None
 
     def generate_async(self, prompt: Prompt, sampling_params: ParamsArg = None, streaming: bool = False,
-                       lora_request: LoRARequest | None = None) -> RequestFuture:
+                       lora_request: LoRAArg = None) -> RequestFuture:
         """Submit one request; returns a future: ``.result(timeout)``, ``await fut`` (or ``.aresult()``),
         ``.cancel()``, and ``async for out in fut``, which yields every cumulative snapshot with
         ``streaming=True`` (TensorRT-LLM's), else the final output once."""
-        (lora,) = lora_per_prompt(lora_request, 1)
+        (lora,) = lora_per_prompt(lora_request, 1, self.model_config.adapters)
         return self._submit(self._request(prompt, self._params(sampling_params), stream=streaming, lora_request=lora))
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: Any, *, use_tqdm: bool | None = None) -> list[Any]:
@@ -376,11 +377,11 @@ class LLM:
 
         return beam_search(self, prompts, params, use_tqdm)
 
-    def stream(self, prompt: Prompt, sampling_params: ParamsArg = None, lora_request: LoRARequest | None = None) -> Iterator[RequestOutput]:
+    def stream(self, prompt: Prompt, sampling_params: ParamsArg = None, lora_request: LoRAArg = None) -> Iterator[RequestOutput]:
         """Yield cumulative snapshots of one request as it runs (synchronous); the last is finished.
 
         With ``n > 1`` each snapshot holds every completion (``out.outputs[i]``, by ``index``)."""
-        (lora,) = lora_per_prompt(lora_request, 1)
+        (lora,) = lora_per_prompt(lora_request, 1, self.model_config.adapters)
         request = self._request(prompt, self._params(sampling_params), stream=True, lora_request=lora)
         sink = QueueSink()
         self.engine.submit(request, sink)
@@ -408,7 +409,7 @@ class LLM:
                     raise EngineClosedError("the LLM was shut down while the stream was waiting") from None
 
     async def stream_generate(self, prompt: Prompt, sampling_params: ParamsArg = None, prompt_token_ids: Any = None,
-                              tokenizer_kwargs: dict[str, Any] | None = None, lora_request: LoRARequest | None = None) -> AsyncIterator[str]:
+                              tokenizer_kwargs: dict[str, Any] | None = None, lora_request: LoRAArg = None) -> AsyncIterator[str]:
         """Yield text deltas of one request as they are generated (furiosa-llm's ``stream_generate``).
 
         The deltas join to exactly the text ``generate`` returns.  Closing the generator (or
@@ -420,7 +421,7 @@ class LLM:
             raise RequestError(f"stream_generate yields the text of one completion, and n={params.n} asks for more: "
                                "use LLM.stream(prompt, params), whose snapshots hold every completion (outputs[i])")
         (prompt,) = token_id_prompts(prompt_token_ids, prompt, one=True)
-        (lora,) = lora_per_prompt(lora_request, 1)
+        (lora,) = lora_per_prompt(lora_request, 1, self.model_config.adapters)
         request = self._request(prompt, params, stream=True, tokenizer_kwargs=tokenizer_kwargs, lora_request=lora)
         sink = AsyncQueueSink(asyncio.get_running_loop())
         self.engine.submit(request, sink)

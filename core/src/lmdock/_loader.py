@@ -167,11 +167,13 @@ def _load_one(spec: BackendSpec, mc: ModelConfig, registry: Any) -> RequestEngin
 
 
 def _check_lora_limits(spec: BackendSpec, mc: ModelConfig) -> None:
-    """``build.max_loras`` / ``max_lora_rank`` on a backend that cannot run adapters is refused, not ignored."""
-    asked = [k for k in ("max_loras", "max_lora_rank") if getattr(mc.build, k) is not None]
+    """``build.max_loras`` / ``max_lora_rank`` and declared adapters on a backend that cannot run
+    adapters are refused, not ignored."""
+    asked = [f"build.{k}" for k in ("max_loras", "max_lora_rank") if getattr(mc.build, k) is not None]
+    asked += ["[models.NAME.adapters]"] if mc.adapters else []
     ok, reason = spec.capability("lora")
     if asked and not ok:
-        raise UnsupportedError(f"build.{' and build.'.join(asked)}: backend {spec.name!r} cannot run LoRA adapters ({reason}); "
+        raise UnsupportedError(f"{' and '.join(asked)}: backend {spec.name!r} cannot run LoRA adapters ({reason}); "
                                "remove it, or pick a backend that lists lora in `lmdock backends`")
 
 

@@ -10,7 +10,7 @@ what caches are keyed by.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,22 +80,33 @@ def _one(name: str, value: Any, alias: str, alias_value: Any) -> Any:
     return value if value is not None else alias_value
 
 
-def lora_per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int) -> list[LoRARequest | None]:
+#: What a call's ``lora_request`` may be: a LoRARequest, the name of an adapter the model's config
+#: declares (``[models.NAME.adapters]``), or None; one for all prompts or one per prompt.
+LoRAArg = LoRARequest | str | None
+
+
+def lora_per_prompt(lora_request: LoRAArg | Sequence[LoRAArg], count: int, declared: Mapping[str, str]) -> list[LoRARequest | None]:
     """One adapter (or None) per prompt from a call's ``lora_request``: one for all, or a list with one
-    per prompt (vLLM's rule)."""
+    per prompt (vLLM's rule); a name is looked up in ``declared`` (the model's ``adapters``)."""
     if isinstance(lora_request, (list, tuple)):
         if len(lora_request) != count:
             raise RequestError(f"got {len(lora_request)} lora_request entries for {count} prompts; give one, or one per prompt")
         items = list(lora_request)
     else:
         items = [lora_request] * count
-    return [_as_lora(item) for item in items]
+    return [_as_lora(item, declared) for item in items]
 
 
-def _as_lora(item: Any) -> LoRARequest | None:
+def _as_lora(item: Any, declared: Mapping[str, str]) -> LoRARequest | None:
     """A LoRARequest; vLLM's own ``vllm.lora.request.LoRARequest`` is read by its attributes."""
     if item is None or isinstance(item, LoRARequest):
         return item
+    if isinstance(item, str):
+        if item not in declared:
+            known = ", ".join(sorted(declared)) or "none"
+            raise RequestError(f"lora_request {item!r}: the model declares no such adapter (declared: {known}); add it under "
+                               "[models.NAME.adapters] or pass LoRARequest(name, path)")
+        return LoRARequest(item, declared[item])
     if hasattr(item, "lora_name") and hasattr(item, "lora_path"):
         return LoRARequest(lora_name=item.lora_name, lora_int_id=getattr(item, "lora_int_id", None), lora_path=item.lora_path)
     raise RequestError(f"lora_request must be a lmdock.LoRARequest (or vLLM's), not {type(item).__name__}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -588,9 +589,14 @@ class ModelConfig:
     keep_alive: float = -1
     pin: bool = False
     preload: bool = False
+    #: ``[models.NAME.adapters]``: LoRA adapter folders by name, which ``lora_request="NAME"`` names
+    adapters: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check(bool(self.model), "model", "must be a local path or a hub id")
+        for adapter in self.adapters:
+            check(bool(re.fullmatch(r"[A-Za-z0-9._-]+", adapter)), "adapters",
+                  f"an adapter name is letters, digits, '.', '_' and '-' (a server serves it as MODEL:ADAPTER), got {adapter!r}")
         check(self.keep_alive == -1 or self.keep_alive >= 0, "keep_alive",
               f"must be seconds >= 0, or -1 (never unload), got {self.keep_alive!r}")
 
