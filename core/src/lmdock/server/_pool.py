@@ -73,6 +73,8 @@ class ServedModel:
     memory_bytes: int | None = None
     loading: Any = None  # the asyncio future of a load under way
     unloading: bool = False  # its engine is being shut down (``llm`` is None already)
+    #: ``[models.NAME.adapters]``: LoRA adapters by name, served as ``NAME:ADAPTER`` on this model's engine
+    adapters: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.llm is not None:

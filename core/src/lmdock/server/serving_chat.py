@@ -37,9 +37,10 @@ async def chat(body: ChatRequest, request: Request) -> Response:
     sm = await st.model(body.model, request, body.keep_alive)
     params = st.sampling_params(sm, body.overrides(), body)
     prompt = await _render(st.settings, sm, body, retry)
+    lora = st.adapter(body.model)
     admission, streams, firsts = await submit_admitted(request, st, sm, [prompt], params, add_special_tokens=False,
-                                                       max_tokens_field=body.max_tokens_field())
-    reply = _Reply(body, sm.name, sm.llm.tokenizer, params.n)
+                                                       max_tokens_field=body.max_tokens_field(), lora_request=lora)
+    reply = _Reply(body, body.model if lora else sm.name, sm.llm.tokenizer, params.n)
     reply.prompt_ids = list(firsts[0].prompt_token_ids) if firsts and firsts[0] is not None else []
     if body.stream:
         return sse_response(request, reply.chunks(streams, firsts), admission, retry)

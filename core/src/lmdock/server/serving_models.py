@@ -22,9 +22,15 @@ def _card(sm: ServedModel) -> dict[str, Any]:
             "memory_bytes": sm.memory_bytes, "last_used": int(sm.last_used) or None, "requests": sm.holds}
 
 
+def _adapter_cards(sm: ServedModel) -> list[dict[str, Any]]:
+    """A model's LoRA adapters, as vLLM lists them: ``parent`` the base model, ``root`` the folder."""
+    return [{"id": f"{sm.name}:{name}", "object": "model", "created": sm.created, "owned_by": "lmdock", "root": path,
+             "parent": sm.name, "state": sm.state} for name, path in sm.adapters.items()]
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [_card(sm) for sm in state_of(request).models.values()]}
+    return {"object": "list", "data": [card for sm in state_of(request).models.values() for card in (_card(sm), *_adapter_cards(sm))]}
 
 
 @router.get("/v1/models/{model_id:path}")
