@@ -167,3 +167,37 @@ def test_declared_adapters_on_a_backend_without_lora_are_refused(fake: Any, isol
     (isolated / "lmdock.toml").write_text('[models.m]\nmodel = "m"\nbackend = "fake"\n[models.m.adapters]\n"a:b" = "a"\n')
     with pytest.raises(lmdock.ConfigError, match="an adapter name is letters"):
         LLM("m")
+
+
+def test_stats_name_the_adapters_of_running_and_waiting_requests(fakelora: FakeLoraPlugin) -> None:
+    """vLLM's lora_requests_info, from the loop: one request runs under bias-20, the other (bias-21)
+    waits for the only batch slot; the engine's second step is held until the check."""
+    import threading
+
+    with LLM("m", backend="fakelora", scheduler={"max_num_seqs": 1}) as llm:
+        engine = fakelora.engines[-1]
+        entered = [threading.Event(), threading.Event()]
+        go = [threading.Event(), threading.Event()]
+        calls = []
+        step = engine.step
+
+        def held_step(chunks: Sequence[SeqChunk]) -> StepOutput:
+            n = len(calls)
+            calls.append(n)
+            if n < 2:
+                entered[n].set()
+                go[n].wait(30)
+            return step(chunks)
+
+        engine.step = held_step  # type: ignore[method-assign]
+        first = llm.generate_async(PROMPT, GREEDY, lora_request=LoRARequest("bias-20", "/a"))
+        assert entered[0].wait(30)
+        second = llm.generate_async(PROMPT, GREEDY, lora_request=LoRARequest("bias-21", "/b"))
+        go[0].set()  # the loop takes the second request in before its next step
+        assert entered[1].wait(30)
+        stats = llm.stats()
+        assert (stats["running_lora_adapters"], stats["waiting_lora_adapters"], stats["max_lora"]) == ("bias-20", "bias-21", 0)
+        go[1].set()
+        first.result(timeout=30), second.result(timeout=30)
+        stats = llm.stats()
+    assert (stats["running_lora_adapters"], stats["waiting_lora_adapters"]) == ("", "")

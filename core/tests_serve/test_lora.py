@@ -75,3 +75,11 @@ def test_a_request_for_model_adapter_runs_under_the_adapter(lora_server: Server)
 def test_an_unknown_adapter_is_a_404_naming_the_served_ones(lora_server: Server) -> None:
     with pytest.raises(openai.NotFoundError, match=r"'stories:nope' is not served here; served models: stories, stories:sql"):
         _client(lora_server).completions.create(model="stories:nope", prompt=PROMPT, max_tokens=4)
+
+
+def test_metrics_have_lora_requests_info(lora_server: Server) -> None:
+    import httpx
+
+    text = httpx.get(f"{lora_server.url}/metrics", timeout=10).text
+    line = next(x for x in text.splitlines() if x.startswith("lmdock:lora_requests_info{"))
+    assert 'model_name="stories"' in line and 'max_lora="8"' in line and 'running_lora_adapters=""' in line

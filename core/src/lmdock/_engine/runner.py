@@ -189,6 +189,10 @@ class StepRunner:
             "num_sequences_cached": cached,
             "prefix_cache_hit_tokens": self.prompts.hit_tokens,
             "dead": self._inbox.dead is not None,
+            # LoRA (vLLM's lora_requests_info): the adapters of running and waiting requests, by name
+            "running_lora_adapters": _adapter_names(running),
+            "waiting_lora_adapters": _adapter_names(waiting),
+            "max_lora": int(getattr(self.engine, "max_loras", 0) or 0),
         }
 
     # -- the loop (engine thread) -----------------------------------------------------------------
@@ -409,3 +413,9 @@ class StepRunner:
         reports = self.requests.report(touched, defer=texts is not None)
         if texts is not None:
             self.requests.settle(self.deferred.defer(texts, reports))
+
+
+def _adapter_names(seqs: list[Any]) -> str:
+    """The LoRA adapters the sequences' requests run under, by name, sorted and comma-separated."""
+    names = {s.req.request.lora_request.name for s in seqs if s.req is not None and s.req.request.lora_request is not None}
+    return ",".join(sorted(names))

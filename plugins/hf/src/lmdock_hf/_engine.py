@@ -18,7 +18,7 @@ from lmdock import BackendError, LoRARequest, ModelConfig
 from lmdock.backend import SeqChunk, StepOutput, read_model_json
 
 from lmdock_hf._cache import BatchView, SlotKVCache, cache_keyword
-from lmdock_hf._lora import Adapters
+from lmdock_hf._lora import DEFAULT_MAX_LORAS, Adapters
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ATTENTION = "lmdock_sdpa"
@@ -102,6 +102,11 @@ class HFStepEngine:
         return engine
 
     # -- the step-engine contract ---------------------------------------------------------------
+
+    @property
+    def max_loras(self) -> int:
+        """Adapters kept loaded (``build.max_loras``, or lmdock-hf's default); reported in /metrics."""
+        return self.lora_limits[0] or DEFAULT_MAX_LORAS
 
     def prepare_lora(self, lora: LoRARequest) -> None:
         """Load a request's adapter (in the submitting thread): one that cannot load fails its request."""
