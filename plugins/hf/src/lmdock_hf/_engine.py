@@ -9,6 +9,7 @@ updates per row, so a decode forward mixes the base model and several adapters.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,6 +67,7 @@ class HFStepEngine:
         self.forward_calls = 0
         #: LoRA adapters, made on the first request that names one (``prepare_lora``)
         self.adapters: Adapters | None = None
+        self._adapters_made = threading.Lock()  # submitting threads race to make it: one must win
         self.lora_limits: tuple[int | None, int | None] = (None, None)  # build.max_loras, build.max_lora_rank
 
     # -- loading --------------------------------------------------------------------------------
@@ -110,8 +112,9 @@ class HFStepEngine:
 
     def prepare_lora(self, lora: LoRARequest) -> None:
         """Load a request's adapter (in the submitting thread): one that cannot load fails its request."""
-        if self.adapters is None:
-            self.adapters = Adapters(self.model, *self.lora_limits)
+        with self._adapters_made:
+            if self.adapters is None:
+                self.adapters = Adapters(self.model, *self.lora_limits)
         self.adapters.prepare(lora)
 
     # KV tensors are inference tensors: every method that touches them runs in inference mode.
@@ -191,6 +194,7 @@ class HFStepEngine:
     def close(self) -> None:
         self.cache = SlotKVCache(self.device, self.dtype, self.max_seq_len)
         self.model = None
+        self.adapters = None  # its weights go with the model
 
 
 def _load_model(auto: Any, model: str, attn: str, kwargs: dict[str, Any]) -> Any:
