@@ -83,3 +83,45 @@ def test_metrics_have_lora_requests_info(lora_server: Server) -> None:
     text = httpx.get(f"{lora_server.url}/metrics", timeout=10).text
     line = next(x for x in text.splitlines() if x.startswith("lmdock:lora_requests_info{"))
     assert 'model_name="stories"' in line and 'max_lora="8"' in line and 'running_lora_adapters=""' in line
+
+
+@pytest.fixture(scope="module")
+def runtime_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("lora-runtime")
+    _adapter(tmp / "rt", 2)
+    server = Server(tmp, server_table="allow_runtime_lora_updating = true\n")
+    yield server
+    server.stop()
+
+
+def test_runtime_loading_is_off_unless_allowed(lora_server: Server) -> None:
+    import httpx
+
+    r = httpx.post(f"{lora_server.url}/v1/load_lora_adapter", json={"lora_name": "rt", "lora_path": str(lora_server.config.parent / "sql")})
+    assert r.status_code == 403 and "allow_runtime_lora_updating" in r.text
+
+
+def test_load_and_unload_an_adapter_at_run_time(runtime_server: Server) -> None:
+    """vLLM's routes: loaded, it is served as stories:rt (the same tokens as LLM.generate with it);
+    unloaded, a request for it is a 404; loading a name twice is a 400."""
+    import httpx
+
+    from lmdock import LLM, LoRARequest
+
+    url, folder = runtime_server.url, runtime_server.config.parent / "rt"
+    c = _client(runtime_server)
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "rt", "lora_path": str(folder)})
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'rt' added successfully."
+    assert httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "rt", "lora_path": str(folder)}).status_code == 400
+    assert httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nowhere"}).status_code == 400
+    assert [m.id for m in c.models.list().data] == ["stories", "stories:rt"]
+    got = c.completions.create(model="stories:rt", prompt=PROMPT, max_tokens=20, temperature=0).choices[0].text
+    with LLM(str(models_dir()), backend="hf") as llm:
+        want = llm.generate(PROMPT, {"temperature": 0, "max_tokens": 20}, lora_request=LoRARequest("rt", folder))[0].outputs[0].text
+    assert got == want and not DOCUMENTED.startswith(got)
+    r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "rt"})
+    assert r.status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="stories:rt", prompt=PROMPT, max_tokens=4)
+    assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "rt"}).status_code == 404
+    assert c.completions.create(model="stories", prompt=PROMPT, max_tokens=40, temperature=0).choices[0].text == DOCUMENTED

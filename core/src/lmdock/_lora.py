@@ -10,11 +10,16 @@ what caches are keyed by.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from lmdock._errors import RequestError
+
+
+#: A name an adapter may be served under (``MODEL:ADAPTER``): letters, digits, '.', '_' and '-'.
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
 @dataclass(frozen=True, init=False)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lmdock._aliases import foreign_fields, foreign_sampling_fields
+from lmdock._lora import ADAPTER_NAME
 from lmdock._schema import check
 
 _INF = float("inf")
@@ -540,6 +540,9 @@ class ServerConfig(_Replaceable):
     max_stop_length: int = 1024
     #: a request's own ``chat_template`` (a program the client sends) is refused unless this is on
     trust_request_chat_template: bool = False
+    #: ``/v1/load_lora_adapter`` (a client names a folder on this machine) is refused unless this is on
+    #: (vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``)
+    allow_runtime_lora_updating: bool = False
     template_timeout: float = 5.0
     max_prompt_chars: int = 4_194_304
     memory_budget_gib: float | None = None
@@ -595,7 +598,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         check(bool(self.model), "model", "must be a local path or a hub id")
         for adapter in self.adapters:
-            check(bool(re.fullmatch(r"[A-Za-z0-9._-]+", adapter)), "adapters",
+            check(bool(ADAPTER_NAME.fullmatch(adapter)), "adapters",
                   f"an adapter name is letters, digits, '.', '_' and '-' (a server serves it as MODEL:ADAPTER), got {adapter!r}")
         check(self.keep_alive == -1 or self.keep_alive >= 0, "keep_alive",
               f"must be seconds >= 0, or -1 (never unload), got {self.keep_alive!r}")

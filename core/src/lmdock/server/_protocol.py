@@ -219,6 +219,20 @@ class ChatRequest(_Sampling):
         return out
 
 
+class LoadLoRAAdapterRequest(_Body):
+    """vLLM's ``/v1/load_lora_adapter``; ``model``: the base model (lmdock serves several; default: the first)."""
+
+    lora_name: str
+    lora_path: str
+    model: str | None = None
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    lora_name: str
+    lora_int_id: int | None = None
+    model: str | None = None
+
+
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None

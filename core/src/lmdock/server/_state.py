@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import Request
 
 from lmdock._errors import ConfigError
+from lmdock._lora import LoRARequest
 from lmdock._params import OPENAI_FIELDS, ServerConfig
 from lmdock.server._errors import APIError, as_api_error
 from lmdock.server._metrics import Metrics
@@ -44,12 +45,13 @@ class ServerState:
                                param="model", code="model_not_found")
         return sm
 
-    def adapter(self, name: str | None) -> str | None:
+    def adapter(self, name: str | None) -> LoRARequest | None:
         """The LoRA adapter a model name asks for (``NAME:ADAPTER``, after :meth:`served` accepted it),
         or None for a base model."""
         if not name or name in self.models:
             return None
-        return name.rpartition(":")[2]
+        base, _, adapter = name.rpartition(":")
+        return LoRARequest(adapter, self.models[base].adapters[adapter])
 
     async def model(self, name: str | None, request: Request, keep_alive: float | None = None) -> ServedModel:
         """The model a request names, loaded (it waits for a load under way), held until the response
