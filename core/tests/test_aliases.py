@@ -65,13 +65,16 @@ SAME = [
     ({"max_num_tokens": 512}, {"build": {"max_num_tokens": 512}}),
     ({"max_seq_len": 128}, {"build": {"max_seq_len": 128}}),
     ({"max_beam_width": 4}, {"build": {"max_beam_width": 4}}),
+    ({"max_loras": 2}, {"build": {"max_loras": 2}}),
+    ({"max_lora_rank": 8}, {"build": {"max_lora_rank": 8}}),
+    ({"enable_lora": True}, {}),  # adapters load when a request names one: nothing to switch on
 ]
 
 
 @pytest.mark.parametrize(("foreign", "ours"), SAME, ids=[next(iter(f)) + "=" + repr(next(iter(f.values()))) for f, _ in SAME])
 def test_a_foreign_argument_resolves_as_lmdocks_spelling(isolated: Path, foreign: dict[str, Any], ours: dict[str, Any]) -> None:
     assert resolved(**foreign)[0] == resolved(**ours)[0]
-    assert resolved(**foreign)[0] != resolved()[0] or foreign == {"enforce_eager": False}
+    assert resolved(**foreign)[0] != resolved()[0] or foreign in ({"enforce_eager": False}, {"enable_lora": True})
 
 
 def test_every_alias_is_tested_or_refused() -> None:

@@ -132,7 +132,7 @@ def test_snapshots_waiting_together_go_out_as_one() -> None:
     from lmdock.server._streaming import engine_stream
 
     engine = FakeStreamingEngine()
-    llm = SimpleNamespace(engine=engine, make_request=lambda prompt, params, stream, add_special_tokens: SimpleNamespace(request_id="r1"))
+    llm = SimpleNamespace(engine=engine, make_request=lambda prompt, params, stream, add_special_tokens, lora_request=None: SimpleNamespace(request_id="r1"))
     metrics = Metrics(lambda: {})
     state = ServerState(models={}, settings=ServerConfig(), api_key=None, metrics=metrics, pool=ServedPool({}, ServerConfig(), metrics))
 

@@ -59,3 +59,38 @@ def weights_checksum(folder: str | Path) -> float:
 
     tensors: dict[str, Any] = load_file(str(Path(folder) / "model.safetensors"))
     return float(sum(abs(t.astype("float64")).sum() for t in tensors.values()))
+
+
+#: The projections a conformance adapter targets (PEFT's names for a llama-style attention block).
+LORA_TARGETS = ("q_proj", "v_proj", "o_proj")
+
+
+def lora_adapter(model: str | Path, folder: str | Path, seed: int, rank: int = 4) -> Path:
+    """Write a LoRA adapter in PEFT's folder format for the transformers checkpoint ``model``: random
+    ``lora_A`` / ``lora_B`` (a fixed seed) for each of its ``LORA_TARGETS`` linear weights, big enough to
+    move the logprobs by nats.  Made without PEFT, from the checkpoint's safetensors alone."""
+    import json
+
+    import numpy as np
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    tensors: dict[str, Any] = {}
+    for file in sorted(Path(model).glob("*.safetensors")):
+        with safe_open(str(file), "np") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                module, _, kind = key.rpartition(".")
+                if kind != "weight" or module.rpartition(".")[2] not in LORA_TARGETS:
+                    continue
+                out_f, in_f = f.get_slice(key).get_shape()
+                tensors[f"base_model.model.{module}.lora_A.weight"] = rng.normal(0, 1 / np.sqrt(in_f), (rank, in_f)).astype(np.float32)
+                tensors[f"base_model.model.{module}.lora_B.weight"] = rng.normal(0, 0.5, (out_f, rank)).astype(np.float32)
+    if not tensors:
+        raise ValueError(f"{model}: no safetensors weights named like {LORA_TARGETS}; the LoRA checks need a llama-style checkpoint")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(LORA_TARGETS), "bias": "none"}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder

@@ -112,6 +112,22 @@ def _check_offload(llm: LLM) -> None:
         assert o.generate(PROMPT, {"temperature": 0, "max_new_tokens": 4})[0].outputs[0].token_ids
 
 
+def _check_lora(llm: LLM) -> None:
+    import tempfile
+
+    from lmdock import LoRARequest
+
+    from lmdock_conformance._models import lora_adapter
+
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    with tempfile.TemporaryDirectory() as folder:
+        lora = LoRARequest("declared", lora_adapter(llm.model_config.model, folder, seed=1))
+        base = llm.generate(PROMPT, params)[0].outputs[0].token_ids
+        mixed = llm.generate([PROMPT, PROMPT], params, lora_request=[None, lora])
+    assert mixed[0].outputs[0].token_ids == base
+    assert mixed[1].outputs[0].token_ids != base
+
+
 CHECKS = {
     "generate": _check_generate,
     "chat": _check_chat,
@@ -128,6 +144,7 @@ CHECKS = {
     "embed": _check_embed,
     "score": _check_score,
     "offload": _check_offload,
+    "lora": _check_lora,
 }
 
 

@@ -20,6 +20,7 @@ from lmdock._errors import (
     RequestError,
     UnsupportedError,
 )
+from lmdock._lora import LoRARequest
 from lmdock._outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -96,6 +97,7 @@ __all__ = [
     "KvCacheConfig",
     "LLM",
     "LmdockError",
+    "LoRARequest",
     "Logprob",
     "ModelBusyError",
     "ModelConfig",

@@ -76,6 +76,12 @@ def _enforce_eager(value: Any) -> dict[str, Any]:
     return {"build": {"compile": False}, "backends": {"vllm": {"enforce_eager": True}}} if value else {"backends": {"vllm": {"enforce_eager": False}}}
 
 
+def _enable_lora(value: Any) -> dict[str, Any]:
+    # lmdock loads adapters when a request names one (LoRARequest), on a backend that declares lora:
+    # there is nothing to switch on, and nothing to switch off
+    return {}
+
+
 def _task(value: Any) -> dict[str, Any]:
     return {"@task": value}
 
@@ -124,6 +130,9 @@ CONSTRUCTOR: dict[str, Alias] = {
     "swap_space": Alias("vLLM", refused="vLLM's CPU swap for preempted requests; " + _ENGINE_ARGS % "swap_space"),
     "cpu_offload_gb": Alias("vLLM", refused="lmdock's portable offload is offload={...} (docs/backends/hf.md); on vLLM "
                                             + _ENGINE_ARGS % "cpu_offload_gb"),
+    "max_loras": Alias("vLLM", _key("build.max_loras")),
+    "max_lora_rank": Alias("vLLM", _key("build.max_lora_rank")),
+    "enable_lora": Alias("vLLM", _enable_lora),
     "tokenizer": Alias("TensorRT-LLM", _tokenizer, native=lambda v: v is None or isinstance(v, str)),
     "skip_tokenizer_init": Alias("vLLM, TensorRT-LLM", _skip_tokenizer_init),
     # TensorRT-LLM (tensorrt_llm.LLM / LlmArgs)

@@ -132,7 +132,7 @@ def _parser() -> Parser:
                         "request first names it under [server] max_loaded_models / memory_budget_gib) over "
                         "OpenAI's HTTP API: /v1/completions, /v1/chat/completions, /v1/responses, "
                         "/v1/responses/{response_id}, /v1/models, /v1/models/{id}, /v1/models/{id}/load, "
-                        "/v1/models/{id}/unload, /v1/embeddings, /v1/score and /score, /v1/rerank and /rerank, "
+                        "/v1/models/{id}/unload, /v1/load_lora_adapter, /v1/unload_lora_adapter, /v1/embeddings, /v1/score and /score, /v1/rerank and /rerank, "
                         "/tokenize, /detokenize, /tokenizer_info, /health, /metrics, /stats; and Anthropic's "
                         "/v1/messages, /v1/messages/count_tokens. Settings come from the config's [server] table; "
                         "SIGTERM/SIGINT drain the requests in flight, then exit 0. See docs/server.md.")

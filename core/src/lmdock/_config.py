@@ -43,7 +43,7 @@ SECTIONS: dict[str, type] = {
     "pooling": PoolingParams,
 }
 _MODEL_KEYS = {"model", "backend", "fallback", "tokenizer", "revision", "trust_remote_code", "sampling", "backends",
-               "keep_alive", "pin", "preload", "tool_parser", "reasoning_parser"}
+               "keep_alive", "pin", "preload", "tool_parser", "reasoning_parser", "adapters"}
 
 
 @dataclass
@@ -158,6 +158,8 @@ def model_config(
     for bname, opts in backends.items():
         coerce(opts, dict[str, Any], key(f"backends.{bname}"), source)
     kwargs["backends"] = backends
+    adapters = coerce(entry.get("adapters", {}), dict[str, str], key("adapters"), source)
+    kwargs["adapters"] = {n: _adapter_path(p, base_dir) for n, p in adapters.items()}
     try:
         return ModelConfig(**kwargs)
     except FieldError as exc:
@@ -188,6 +190,13 @@ def _explicit_fields(params: SamplingParams) -> dict[str, Any]:
 
 def _looks_like_path(value: str) -> bool:
     return value.startswith(("/", "./", "../", "~")) or os.sep in value and Path(value).exists()
+
+
+def _adapter_path(value: str, base_dir: Path | None) -> str:
+    """A LoRA adapter folder, relative to the config file; not checked here (a request that names a
+    missing one fails alone, saying which path)."""
+    path = Path(value).expanduser()
+    return str(path if path.is_absolute() or base_dir is None else (base_dir / path).resolve())
 
 
 def _resolve_model(value: str, base_dir: Path | None, source: str, key: str) -> str:
@@ -240,6 +249,8 @@ def config_schema(backend_options: dict[str, type] | None = None) -> dict[str, A
         "keep_alive": {"type": "number", "default": -1, "description": "seconds idle before a server unloads it; 0: when idle; -1: never"},
         "pin": {"type": "boolean", "default": False, "description": "a server loads it at start and never unloads it"},
         "preload": {"type": "boolean", "default": False, "description": "a server loads it at start"},
+        "adapters": {"type": "object", "additionalProperties": {"type": "string"},
+                     "description": "LoRA adapters by name: PEFT folders (relative to this file); lora_request='NAME'"},
     }
     for section, cls in SECTIONS.items():
         model_props[section] = json_schema(cls)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import numpy as np
 
+    from lmdock._lora import LoRARequest
     from lmdock._outputs import RequestOutput
     from lmdock._params import SamplingParams
     from lmdock._tokenizer import Tokenizer
@@ -47,6 +48,7 @@ CAPABILITIES: Mapping[str, str] = {
     "score": "similarity scoring of text pairs",
     "quantization": "at least one QuantConfig algorithm",
     "offload": "OffloadPolicy: weights partly in RAM or on disk",
+    "lora": "LoRARequest: per-request LoRA adapters (PEFT folders), several in one batch",
 }
 
 
@@ -139,6 +141,9 @@ class SeqChunk:
     start: int
     all_logits: bool = False
     argmax_next: bool = False
+    #: the adapter this sequence runs under (None: the base model); only engines whose backend
+    #: declares ``lora`` see one, and they have had ``prepare_lora`` called for it
+    lora: LoRARequest | None = None
 
 
 @dataclass
@@ -183,6 +188,9 @@ class StepEngine(Protocol):
 
     def close(self) -> None: ...
 
+    # Optional: ``prepare_lora(lora)`` (a backend that declares ``lora``) is called in the submitting
+    # thread for each request with a ``LoRARequest``: it loads (or checks) the adapter and raises to
+    # refuse that request alone (an unknown folder, an adapter for another model); chunks then name it.
     # Optional: ``thread_exit()`` is called in the engine thread as it ends, for resources that
     # belong to that thread (MLX streams, for one).
     # Optional: ``overlap_host_work = True`` says ``step`` spends its time outside the GIL and leaves
@@ -201,6 +209,8 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: bool = False
+    #: the LoRA adapter to run under (None: the base model); only a backend that declares ``lora`` gets one
+    lora_request: LoRARequest | None = None
 
 
 class OutputSink(Protocol):

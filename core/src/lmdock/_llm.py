@@ -19,6 +19,7 @@ from lmdock._aliases import constructor_options
 from lmdock._contract import EngineRequest, RequestEngine
 from lmdock._errors import ConfigError, EngineClosedError, QueueFullError, RequestError, UnsupportedError
 from lmdock._loader import load_engine, resolve_model
+from lmdock._lora import LoRAArg, LoRARequest, lora_per_prompt
 from lmdock._outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
 from lmdock._params import EditableSamplingParams, SamplingParams, StructuredOutput
 from lmdock._pooling_calls import PoolingArg, PoolingCalls
@@ -169,8 +170,13 @@ class LLM:
     # -- requests -------------------------------------------------------------------------------
 
     def _request(self, prompt: Prompt, params: SamplingParams, stream: bool = False, add_special_tokens: bool = True,
-                 tokenizer_kwargs: dict[str, Any] | None = None) -> EngineRequest:
+                 tokenizer_kwargs: dict[str, Any] | None = None, lora_request: LoRARequest | None = None) -> EngineRequest:
         prompt = as_prompt(prompt)
+        if lora_request is not None:
+            ok, reason = self.backend.capability("lora")
+            if not ok:
+                raise UnsupportedError(f"lora_request: backend {self.backend.name!r} cannot run LoRA adapters ({reason}); remove "
+                                       "lora_request, or pick a backend that lists lora in `lmdock backends`")
         if self.tokenizer is None and params.detokenize:  # skip_tokenizer_init: token ids out, no text
             params = params.replace(detokenize=False)
         if isinstance(prompt, str):
@@ -196,7 +202,7 @@ class LLM:
                 asked = ", ".join(n for n in ("logit_bias", "allowed_token_ids", "bad_words") if getattr(params, n) not in ({}, None, ()))
                 raise RequestError(f"{asked}: backend {self.backend.name!r} cannot bias or ban tokens ({reason}); remove it, or pick a "
                                    "backend that lists logit_bias in `lmdock backends`")
-        return EngineRequest(f"req-{next(_ids)}", text, ids, params, stream)
+        return EngineRequest(f"req-{next(_ids)}", text, ids, params, stream, lora_request)
 
     def _encode(self, text: str, add_special_tokens: bool, tokenizer_kwargs: dict[str, Any] | None) -> list[int]:
         kwargs = {"add_special_tokens": add_special_tokens, **(tokenizer_kwargs or {})}
@@ -208,15 +214,17 @@ class LLM:
             raise RequestError(f"tokenizer_kwargs {sorted(tokenizer_kwargs)}: the tokenizer's encode refused them ({exc})") from None
 
     def make_request(self, prompt: Prompt, sampling_params: ParamsArg = None, *, stream: bool = False,
-                     add_special_tokens: bool = True) -> EngineRequest:
+                     add_special_tokens: bool = True, lora_request: LoRAArg = None) -> EngineRequest:
         """The engine request a call would submit, for a caller that drives :attr:`engine` itself (as
         ``lmdock serve`` does, to stream many requests on its event loop): ``llm.engine.submit(request,
         sink)``, then ``llm.engine.abort(request.request_id)`` if it stops listening first.
 
         The prompt is tokenized (``add_special_tokens``: the tokenizer's BOS and such, off for a
         rendered chat template that holds them) and checked; ``stream``: the engine sends every
-        snapshot, not only the last.  Raises RequestError or ConfigError as :meth:`generate` would."""
-        return self._request(prompt, self._params(sampling_params), stream, add_special_tokens)
+        snapshot, not only the last; ``lora_request``: the adapter to run under.  Raises RequestError or
+        ConfigError as :meth:`generate` would."""
+        (lora,) = lora_per_prompt(lora_request, 1, self.model_config.adapters)
+        return self._request(prompt, self._params(sampling_params), stream, add_special_tokens, lora_request=lora)
 
     def _tokenizer(self) -> Any:
         if self.tokenizer is None:
@@ -236,6 +244,7 @@ class LLM:
         use_tqdm: bool | None = None,
         prompt_token_ids: Any = None,
         tokenizer_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRAArg | Sequence[LoRAArg] = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a batch; returns one ``RequestOutput`` per prompt, in order.
 
@@ -243,14 +252,17 @@ class LLM:
         [...]}`` dict.  ``sampling_params`` is one for all prompts or a list with one per prompt; a dict
         overrides fields of :meth:`get_default_sampling_params`.  furiosa-llm's ``prompt_token_ids`` (a
         ``BatchEncoding`` or lists of ids) replaces the prompts' tokenization; ``tokenizer_kwargs`` go
-        to the tokenizer's ``encode``.
+        to the tokenizer's ``encode``.  ``lora_request`` (a :class:`LoRARequest` or the name of an
+        adapter in ``[models.NAME.adapters]``; one, or one or None per prompt) runs prompts under LoRA
+        adapters, on a backend that declares ``lora``.
         """
         batch = token_id_prompts(prompt_token_ids, prompts)
         plist = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(batch)
         if len(plist) != len(batch):
             raise RequestError(f"got {len(plist)} sampling_params for {len(batch)} prompts")
-        requests = [indexed(i, len(batch), self._request, p, self._params(sp), tokenizer_kwargs=tokenizer_kwargs)
-                    for i, (p, sp) in enumerate(zip(batch, plist))]
+        loras = lora_per_prompt(lora_request, len(batch), self.model_config.adapters)
+        requests = [indexed(i, len(batch), self._request, p, self._params(sp), tokenizer_kwargs=tokenizer_kwargs, lora_request=lr)
+                    for i, (p, sp, lr) in enumerate(zip(batch, plist, loras))]
         return self._run_batch(requests, use_tqdm)
 
     def _run_batch(self, requests: list[EngineRequest], use_tqdm: bool | None) -> list[RequestOutput]:
@@ -303,6 +315,7 @@ class LLM:
         parallel_tool_calls: bool | None = None,
         use_tqdm: bool | None = None,
         chat_template_content_format: str = "auto",
+        lora_request: LoRAArg | Sequence[LoRAArg] = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template.
 
@@ -313,20 +326,23 @@ class LLM:
         OpenAI's.  A reasoning parser moves thinking into ``reasoning_content``.  See docs/tools.md.
 
         ``chat_template_content_format`` (vLLM's, furiosa-llm's): ``"string"`` joins a message's list of
-        text parts into one string before the template sees it; ``"openai"`` and ``"auto"`` pass it as is."""
+        text parts into one string before the template sees it; ``"openai"`` and ``"auto"`` pass it as is.
+        ``lora_request``: as :meth:`generate`'s, one or one per conversation."""
         if continue_final_message and add_generation_prompt:
             raise RequestError("continue_final_message=True needs add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         conversations = [content_as(chat_template_content_format, conv) for conv in conversations]  # type: ignore[arg-type]
         params = self._params(sampling_params)
         plans, requests = [], []
-        for i, conv in enumerate(conversations):
+        loras = lora_per_prompt(lora_request, len(conversations), self.model_config.adapters)
+        for i, (conv, lora) in enumerate(zip(conversations, loras)):
             plan = self.chat_plan(tools, tool_choice, parallel_tool_calls, chat_template, chat_template_kwargs)
             prompt = self.render_chat(conv, chat_template, add_generation_prompt, continue_final_message,  # type: ignore[arg-type]
                                       chat_template_kwargs, tools=plan.template_tools)
             plan.after_render(prompt)
             # The template writes the special tokens itself (BOS...), so they are not added again.
-            requests.append(indexed(i, len(conversations), self._request, prompt, self.constrained(params, plan), add_special_tokens=False))
+            requests.append(indexed(i, len(conversations), self._request, prompt, self.constrained(params, plan), add_special_tokens=False,
+                                    lora_request=lora))
             plans.append(plan)
         outs = self._run_batch(requests, use_tqdm)
         for plan, out in zip(plans, outs):
@@ -386,11 +402,13 @@ class LLM:
         except Exception as exc:
             raise RequestError(f"the chat template failed: {type(exc).__name__}: {exc}") from None
 
-    def generate_async(self, prompt: Prompt, sampling_params: ParamsArg = None, streaming: bool = False) -> RequestFuture:
+    def generate_async(self, prompt: Prompt, sampling_params: ParamsArg = None, streaming: bool = False,
+                       lora_request: LoRAArg = None) -> RequestFuture:
         """Submit one request; returns a future: ``.result(timeout)``, ``await fut`` (or ``.aresult()``),
         ``.cancel()``, and ``async for out in fut``, which yields every cumulative snapshot with
         ``streaming=True`` (TensorRT-LLM's), else the final output once."""
-        return self._submit(self._request(prompt, self._params(sampling_params), stream=streaming))
+        (lora,) = lora_per_prompt(lora_request, 1, self.model_config.adapters)
+        return self._submit(self._request(prompt, self._params(sampling_params), stream=streaming, lora_request=lora))
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: Any, *, use_tqdm: bool | None = None) -> list[Any]:
         """vLLM's ``LLM.beam_search(prompts, BeamSearchParams(beam_width, max_tokens, ...))``: one
@@ -400,11 +418,12 @@ class LLM:
 
         return beam_search(self, prompts, params, use_tqdm)
 
-    def stream(self, prompt: Prompt, sampling_params: ParamsArg = None) -> Iterator[RequestOutput]:
+    def stream(self, prompt: Prompt, sampling_params: ParamsArg = None, lora_request: LoRAArg = None) -> Iterator[RequestOutput]:
         """Yield cumulative snapshots of one request as it runs (synchronous); the last is finished.
 
         With ``n > 1`` each snapshot holds every completion (``out.outputs[i]``, by ``index``)."""
-        request = self._request(prompt, self._params(sampling_params), stream=True)
+        (lora,) = lora_per_prompt(lora_request, 1, self.model_config.adapters)
+        request = self._request(prompt, self._params(sampling_params), stream=True, lora_request=lora)
         sink = QueueSink()
         self.engine.submit(request, sink)
         finished = False
@@ -431,7 +450,7 @@ class LLM:
                     raise EngineClosedError("the LLM was shut down while the stream was waiting") from None
 
     async def stream_generate(self, prompt: Prompt, sampling_params: ParamsArg = None, prompt_token_ids: Any = None,
-                              tokenizer_kwargs: dict[str, Any] | None = None) -> AsyncIterator[str]:
+                              tokenizer_kwargs: dict[str, Any] | None = None, lora_request: LoRAArg = None) -> AsyncIterator[str]:
         """Yield text deltas of one request as they are generated (furiosa-llm's ``stream_generate``).
 
         The deltas join to exactly the text ``generate`` returns.  Closing the generator (or
@@ -443,7 +462,8 @@ class LLM:
             raise RequestError(f"stream_generate yields the text of one completion, and n={params.n} asks for more: "
                                "use LLM.stream(prompt, params), whose snapshots hold every completion (outputs[i])")
         (prompt,) = token_id_prompts(prompt_token_ids, prompt, one=True)
-        request = self._request(prompt, params, stream=True, tokenizer_kwargs=tokenizer_kwargs)
+        (lora,) = lora_per_prompt(lora_request, 1, self.model_config.adapters)
+        request = self._request(prompt, params, stream=True, tokenizer_kwargs=tokenizer_kwargs, lora_request=lora)
         sink = AsyncQueueSink(asyncio.get_running_loop())
         self.engine.submit(request, sink)
         sent = 0

@@ -153,6 +153,7 @@ def _load_one(spec: BackendSpec, mc: ModelConfig, registry: Any) -> RequestEngin
         quant = hook.lmdock_translate_quantization(backend=spec.name, quant=mc.quantization, model_config=mc)
         if quant is None:
             raise UnsupportedError(f"backend {spec.name!r} cannot quantize ({mc.quantization.algo!r}); remove [quantization] or pick another backend")
+    _check_lora_limits(spec, mc)
     build_args = hook.lmdock_translate_build_config(backend=spec.name, model_config=mc) or {}
     engine = hook.lmdock_load_engine(backend=spec.name, model_config=mc, options=options, quantization=quant, build=build_args)
     if engine is None:
@@ -165,6 +166,17 @@ def _load_one(spec: BackendSpec, mc: ModelConfig, registry: Any) -> RequestEngin
     if spec.kind == "request":
         return engine
     return _wrap_step_engine(engine, spec, mc, hook)
+
+
+def _check_lora_limits(spec: BackendSpec, mc: ModelConfig) -> None:
+    """``build.max_loras`` / ``max_lora_rank`` and declared adapters on a backend that cannot run
+    adapters are refused, not ignored."""
+    asked = [f"build.{k}" for k in ("max_loras", "max_lora_rank") if getattr(mc.build, k) is not None]
+    asked += ["[models.NAME.adapters]"] if mc.adapters else []
+    ok, reason = spec.capability("lora")
+    if asked and not ok:
+        raise UnsupportedError(f"{' and '.join(asked)}: backend {spec.name!r} cannot run LoRA adapters ({reason}); "
+                               "remove it, or pick a backend that lists lora in `lmdock backends`")
 
 
 def _wrap_step_engine(engine: Any, spec: BackendSpec, mc: ModelConfig, hook: Any) -> RequestEngine:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lmdock._aliases import foreign_fields, foreign_sampling_fields
+from lmdock._lora import ADAPTER_NAME
 from lmdock._schema import check
 
 _INF = float("inf")
@@ -381,8 +382,14 @@ class BuildConfig(_Editable, _Replaceable):
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor: Literal["auto", "mp", "ray"] = "auto"
+    #: LoRA adapters (``LoRARequest``) kept loaded at once (None: the backend's default), and the
+    #: largest rank an adapter may have (None: any); a backend without ``lora`` refuses either
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
 
     def __post_init__(self) -> None:
+        _int("max_loras", self.max_loras, 1)
+        _int("max_lora_rank", self.max_lora_rank, 1)
         _int("max_batch_size", self.max_batch_size, 1)
         _int("max_num_tokens", self.max_num_tokens, 1)
         _int("max_seq_len", self.max_seq_len, 1)
@@ -535,6 +542,9 @@ class ServerConfig(_Replaceable):
     max_stop_length: int = 1024
     #: a request's own ``chat_template`` (a program the client sends) is refused unless this is on
     trust_request_chat_template: bool = False
+    #: ``/v1/load_lora_adapter`` (a client names a folder on this machine) is refused unless this is on
+    #: (vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``)
+    allow_runtime_lora_updating: bool = False
     template_timeout: float = 5.0
     max_prompt_chars: int = 4_194_304
     memory_budget_gib: float | None = None
@@ -596,9 +606,14 @@ class ModelConfig:
     keep_alive: float = -1
     pin: bool = False
     preload: bool = False
+    #: ``[models.NAME.adapters]``: LoRA adapter folders by name, which ``lora_request="NAME"`` names
+    adapters: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check(bool(self.model), "model", "must be a local path or a hub id")
+        for adapter in self.adapters:
+            check(bool(ADAPTER_NAME.fullmatch(adapter)), "adapters",
+                  f"an adapter name is letters, digits, '.', '_' and '-' (a server serves it as MODEL:ADAPTER), got {adapter!r}")
         check(self.keep_alive == -1 or self.keep_alive >= 0, "keep_alive",
               f"must be seconds >= 0, or -1 (never unload), got {self.keep_alive!r}")
 

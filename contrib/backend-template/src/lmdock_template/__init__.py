@@ -27,6 +27,7 @@ SPEC = lmdock.backend.BackendSpec(
         "score": "a causal LM only; the template has no scoring head",
         "quantization": "the reference engine computes in float32 only",
         "offload": "weights are NumPy arrays in RAM",
+        "lora": "the template runs no adapters",
     },
     requires=("numpy", "safetensors", "tokenizers"),
     # The template runs its own NumPy forward: no engine, so no engine_packages.  A backend over an

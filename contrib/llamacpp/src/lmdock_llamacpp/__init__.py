@@ -99,6 +99,7 @@ SPEC = BackendSpec(
         "embed": "lmdock-llamacpp runs causal LMs; llama.cpp's embedding mode is not wired up yet",
         "score": "lmdock-llamacpp runs causal LMs; llama.cpp's reranking mode is not wired up yet",
         "offload": "no OffloadPolicy: llama.cpp maps the file (use_mmap) and places layers with n_gpu_layers",
+        "lora": "not wired yet: llama-cpp-python takes adapters per model (lora_path), not per request (issue 33)",
     },
     requires=("llama_cpp", "numpy", "jinja2"),
     engine_packages=("llama-cpp-python",),  # its low-level C API (docs/authoring-backends.md)

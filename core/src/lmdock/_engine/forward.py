@@ -11,7 +11,8 @@ from lmdock._errors import BackendError
 
 def chunk_for(seq: Seq | QuerySeq, n: int) -> SeqChunk:
     """The next ``n`` tokens of ``seq``; with all logits where its prompt logprobs still need them,
-    and ``argmax_next`` where its next token will be the argmax (``Seq.argmax_from``)."""
+    ``argmax_next`` where its next token will be the argmax (``Seq.argmax_from``), and the request's
+    LoRA adapter."""
     start = seq.num_computed
     req = seq.req
     want_all = (
@@ -22,7 +23,8 @@ def chunk_for(seq: Seq | QuerySeq, n: int) -> SeqChunk:
         and start < seq.prompt_len
     )
     ahead = seq.argmax_from is not None and start + n == len(seq.token_ids) and seq.num_output >= seq.argmax_from
-    return SeqChunk(seq.seq_id, seq.token_ids[start : start + n], start, want_all, ahead)
+    lora = req.request.lora_request if req is not None else None
+    return SeqChunk(seq.seq_id, seq.token_ids[start : start + n], start, want_all, ahead, lora)
 
 
 def run_step(engine: StepEngine, chunks: list[SeqChunk]) -> Any:

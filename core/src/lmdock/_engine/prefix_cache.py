@@ -85,12 +85,15 @@ class PromptCache:
     """Automatic prefix caching for generate requests: a trie over the prompts of recent requests,
     each cached prompt's KV state held by an engine sequence forked from it.  A new prompt forks the
     KV state of the longest prefix it shares with any cached prompt and computes only the rest.
-    Bounded; least recently used go first; every entry is dropped when the scheduler has to preempt."""
+    Bounded; least recently used go first; every entry is dropped when the scheduler has to preempt.
+
+    Each LoRA adapter has a trie of its own (``adapter``: ``LoRARequest.key``, None for the base
+    model): KV state computed under one adapter is never reused under another."""
 
     def __init__(self, max_entries: int = 16) -> None:
         self.max_entries = max_entries
-        self.root = _PNode()
-        self._entries: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # seq_id -> prompt, LRU first
+        self.roots: dict[Any, _PNode] = {}
+        self._entries: OrderedDict[int, tuple[Any, tuple[int, ...]]] = OrderedDict()  # seq_id -> (adapter, prompt), LRU first
         self.hit_tokens = 0
         self.lookups = 0
 
@@ -100,12 +103,15 @@ class PromptCache:
     @property
     def tokens(self) -> int:
         """KV positions the cached prompts hold (counted apart, even where an engine shares them)."""
-        return sum(len(t) for t in self._entries.values())
+        return sum(len(t) for _, t in self._entries.values())
 
-    def lookup(self, tokens: Sequence[int]) -> tuple[int | None, int]:
-        """``(a cached sequence sharing the longest prefix with tokens, that prefix's length)``."""
+    def lookup(self, tokens: Sequence[int], adapter: Any = None) -> tuple[int | None, int]:
+        """``(a cached sequence sharing the longest prefix with tokens under the same adapter, that
+        prefix's length)``."""
         self.lookups += 1
-        node, best, depth = self.root, None, 0
+        node, best, depth = self.roots.get(adapter), None, 0
+        if node is None:
+            return None, 0
         for i, tok in enumerate(tokens):
             node = node.children.get(tok)  # type: ignore[assignment]
             if node is None or not node.holders:
@@ -115,21 +121,22 @@ class PromptCache:
             self._entries.move_to_end(best)
         return best, depth
 
-    def insert(self, tokens: Sequence[int], seq_id: int) -> list[int]:
-        """Cache ``seq_id`` (whose KV state covers exactly ``tokens``); return sequences to release."""
-        node = self.root
+    def insert(self, tokens: Sequence[int], seq_id: int, adapter: Any = None) -> list[int]:
+        """Cache ``seq_id`` (whose KV state covers exactly ``tokens``, computed under ``adapter``);
+        return sequences to release."""
+        node = self.roots.setdefault(adapter, _PNode())
         for tok in tokens:
             node = node.children.setdefault(tok, _PNode())
             node.holders.add(seq_id)
-        self._entries[seq_id] = tuple(tokens)
+        self._entries[seq_id] = (adapter, tuple(tokens))
         evicted = []
         while len(self._entries) > self.max_entries:
             evicted.append(self._remove(next(iter(self._entries))))
         return evicted
 
     def _remove(self, seq_id: int) -> int:
-        tokens = self._entries.pop(seq_id)
-        node = self.root
+        adapter, tokens = self._entries.pop(seq_id)
+        node = self.roots[adapter]
         for tok in tokens:
             child = node.children[tok]
             child.holders.discard(seq_id)
@@ -137,6 +144,8 @@ class PromptCache:
                 del node.children[tok]
                 break
             node = child
+        if not self.roots[adapter].children:
+            del self.roots[adapter]  # an adapter no longer in use leaves nothing behind
         return seq_id
 
     def evict(self, tokens: int) -> tuple[list[int], int]:
@@ -145,12 +154,12 @@ class PromptCache:
         evicted, freed = [], 0
         while self._entries and freed < tokens:
             seq_id = next(iter(self._entries))
-            freed += len(self._entries[seq_id])
+            freed += len(self._entries[seq_id][1])
             evicted.append(self._remove(seq_id))
         return evicted, freed
 
     def clear(self) -> list[int]:
         held = list(self._entries)
         self._entries.clear()
-        self.root = _PNode()
+        self.roots = {}
         return held

@@ -2,7 +2,7 @@
 
 When a request's prompt is computed, a sequence forked from it holds its KV state in a
 :class:`~lmdock._engine.prefix_cache.PromptCache`; a new prompt forks the longest prefix it shares
-with a cached one and computes only the rest.  Cached prompts hold KV state the scheduler does not
+with a cached one and computes only the rest, under the same LoRA adapter only (:func:`adapter_of`).  Cached prompts hold KV state the scheduler does not
 see, so the scheduler plans within what they leave, and the cache gives way first: it is dropped when
 it would hold more than half the capacity, and a scheduler that would otherwise preempt or fail a
 sequence for want of KV room first asks :meth:`PromptCaching.reclaim` for it (least recently used
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from lmdock._engine.kv import KV
 from lmdock._engine.prefix_cache import PromptCache
@@ -46,7 +47,7 @@ class PromptCaching:
         prompt token is left to compute: its logits start the output)."""
         if self.cache is None:
             return
-        src, length = self.cache.lookup(seq.token_ids)
+        src, length = self.cache.lookup(seq.token_ids, adapter_of(seq))
         length = min(length, seq.prompt_len - 1)
         if src is None or length <= 0:
             return
@@ -72,7 +73,7 @@ class PromptCaching:
         if not forked:
             self.drop(disable=True)
             return
-        self.kv.release_ids(self.cache.insert(seq.token_ids[: seq.prompt_len], cache_id))
+        self.kv.release_ids(self.cache.insert(seq.token_ids[: seq.prompt_len], cache_id, adapter_of(seq)))
         self._reserve_capacity()
 
     def _reserve_capacity(self) -> None:
@@ -107,3 +108,9 @@ class PromptCaching:
         capacity = self.kv.capacity
         if capacity is not None and hasattr(self.scheduler, "capacity"):
             self.scheduler.capacity = capacity
+
+
+def adapter_of(seq: Seq) -> Any:
+    """What the sequence's KV state was computed under: its LoRA adapter's key, None for the base model."""
+    lora = seq.req.request.lora_request if seq.req is not None else None
+    return lora.key if lora is not None else None

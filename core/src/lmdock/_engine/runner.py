@@ -55,7 +55,7 @@ from lmdock._engine.sampler import LogitsProcessor, Sample, Sampler
 from lmdock._engine.sampling import sample_contained
 from lmdock._engine.scheduler import Scheduler
 from lmdock._engine.sequence import QuerySeq, Req, Seq, live
-from lmdock._engine.validate import check_ids, check_request, compile_constraints
+from lmdock._engine.validate import check_ids, check_request, compile_constraints, prepare_lora
 from lmdock._errors import BackendError, EngineClosedError, RequestError
 
 log = logging.getLogger("lmdock.engine")
@@ -131,6 +131,7 @@ class StepRunner:
         processors = check_request(request, self.engine.vocab_size, self.max_seq_len, self._processors_for)
         bad_words = bad_words_ids(request.params.bad_words, self.tokenizer, self.engine.vocab_size)
         constraints = compile_constraints(request, self._constraints_for)
+        prepare_lora(self.engine, request)
         self._inbox.post(Add(request, sink, processors, constraints, bad_words))
 
     def abort(self, request_id: str) -> None:
@@ -188,6 +189,10 @@ class StepRunner:
             "num_sequences_cached": cached,
             "prefix_cache_hit_tokens": self.prompts.hit_tokens,
             "dead": self._inbox.dead is not None,
+            # LoRA (vLLM's lora_requests_info): the adapters of running and waiting requests, by name
+            "running_lora_adapters": _adapter_names(running),
+            "waiting_lora_adapters": _adapter_names(waiting),
+            "max_lora": int(getattr(self.engine, "max_loras", 0) or 0),
         }
 
     # -- the loop (engine thread) -----------------------------------------------------------------
@@ -408,3 +413,9 @@ class StepRunner:
         reports = self.requests.report(touched, defer=texts is not None)
         if texts is not None:
             self.requests.settle(self.deferred.defer(texts, reports))
+
+
+def _adapter_names(seqs: list[Any]) -> str:
+    """The LoRA adapters the sequences' requests run under, by name, sorted and comma-separated."""
+    names = {s.req.request.lora_request.name for s in seqs if s.req is not None and s.req.request.lora_request is not None}
+    return ",".join(sorted(names))

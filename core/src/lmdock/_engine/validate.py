@@ -2,8 +2,9 @@
 
 Token ids in the vocabulary and the context (the prompt's, ``logit_bias``'s and
 ``allowed_token_ids``'); stop strings only with text; logprob counts within the
-vocabulary; the plugins' logits processors; what beam search does not honour, refused by name; and
-structured output compiled here, so a bad schema fails here too.
+vocabulary; the plugins' logits processors; what beam search does not honour, refused by name;
+structured output compiled here, so a bad schema fails here too; and a LoRA adapter loaded here
+(``prepare_lora``), so an adapter that cannot load fails its request alone.
 """
 
 from __future__ import annotations
@@ -24,6 +25,22 @@ def check_ids(ids: Sequence[int], vocab: int, max_seq_len: int) -> None:
         raise RequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
     if len(ids) > max_seq_len:
         raise RequestError(f"{len(ids)} tokens exceed the model's context ({max_seq_len})")
+
+
+def prepare_lora(engine: Any, request: EngineRequest) -> None:
+    """Have the step engine load (or check) the request's adapter; refuse the request if it cannot."""
+    lora = request.lora_request
+    if lora is None:
+        return
+    prepare = getattr(engine, "prepare_lora", None)
+    if prepare is None:
+        raise RequestError(f"lora_request {lora.name!r}: this step engine cannot run LoRA adapters (it has no prepare_lora)")
+    try:
+        prepare(lora)
+    except LmdockError:
+        raise
+    except Exception as exc:
+        raise RequestError(f"lora_request {lora.name!r}: the adapter at {lora.path!r} could not be loaded: {type(exc).__name__}: {exc}") from exc
 
 
 def check_request(

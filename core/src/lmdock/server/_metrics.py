@@ -41,6 +41,13 @@ class _EngineCollector:
             for model, s in per_model.items():
                 g.add_metric([model], float(s.get(key, 0) or 0))
             yield g
+        lora = GaugeMetricFamily("lmdock:lora_requests_info", "LoRA adapters of running and waiting requests (vLLM's "
+                                 "lora_requests_info, for adapter-aware routers); the value is the scrape's Unix time.",
+                                 labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        for model, s in per_model.items():
+            if "running_lora_adapters" in s:  # a step engine's loop reports them
+                lora.add_metric([model, s["running_lora_adapters"], s["waiting_lora_adapters"], str(s.get("max_lora", 0))], time.time())
+        yield lora
         c = CounterMetricFamily("lmdock:num_preemptions", "Preemptions by the scheduler.", labels=["model_name"])
         for model, s in per_model.items():
             c.add_metric([model], float(s.get("num_preemptions_total", 0) or 0))

@@ -40,6 +40,8 @@ class ServedModel(PooledModel):
     created: int = field(default_factory=lambda: int(time.time()))
     root: str = ""
     waiting: int = 0
+    #: ``[models.NAME.adapters]``: LoRA adapters by name, served as ``NAME:ADAPTER`` on this model's engine
+    adapters: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.llm is not None:

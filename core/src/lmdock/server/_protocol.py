@@ -226,6 +226,20 @@ class ChatRequest(_Sampling):
         return out
 
 
+class LoadLoRAAdapterRequest(StrictBody):
+    """vLLM's ``/v1/load_lora_adapter``; ``model``: the base model (lmdock serves several; default: the first)."""
+
+    lora_name: str
+    lora_path: str
+    model: str | None = None
+
+
+class UnloadLoRAAdapterRequest(StrictBody):
+    lora_name: str
+    lora_int_id: int | None = None
+    model: str | None = None
+
+
 class TokenizeRequest(StrictBody):
     model: str | None = None
     prompt: str | None = None

@@ -254,4 +254,4 @@ def _served(name: str, cfg: ConfigFile | None, path: Path | None, settings: Serv
     mc = entry or ModelConfig(model=name)
     loader = functools.partial(LLM, name, backend=backend, config=path, **options)
     return ServedModel(served_name or name, None, queue_limit(settings, mc), template, loader=loader, root=mc.model,
-                       keep_alive=mc.keep_alive, pin=entry is None or mc.pin)
+                       keep_alive=mc.keep_alive, pin=entry is None or mc.pin, adapters=dict(mc.adapters))

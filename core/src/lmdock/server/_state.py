@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import Request
 
 from lmdock._errors import ConfigError
+from lmdock._lora import LoRARequest
 from lmdock._params import OPENAI_FIELDS, ServerConfig
 from lmdock.server._errors import APIError, as_api_error
 from lmdock.server._metrics import Metrics
@@ -62,14 +63,27 @@ class ServerState:
         return self.settings.retry_after
 
     def served(self, name: str | None) -> ServedModel:
-        """The model a request names (the default when it names none), loaded or not; 404 naming the served ones."""
+        """The model a request names (the default when it names none), loaded or not; ``NAME:ADAPTER``
+        is model NAME (run under its adapter: :meth:`adapter`); 404 naming the served ones."""
         if name is None or name == "":
             return next(iter(self.models.values()))
         sm = self.models.get(name)
         if sm is None:
-            raise APIError(404, f"model {name!r} is not served here; served models: {', '.join(self.models)}",
-                           param="model", code="model_not_found")
+            base, _, adapter = name.rpartition(":")
+            sm = self.models.get(base)
+            if sm is None or adapter not in sm.adapters:
+                served = [*self.models, *(f"{n}:{a}" for n, m in self.models.items() for a in m.adapters)]
+                raise APIError(404, f"model {name!r} is not served here; served models: {', '.join(served)}",
+                               param="model", code="model_not_found")
         return sm
+
+    def adapter(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter a model name asks for (``NAME:ADAPTER``, after :meth:`served` accepted it),
+        or None for a base model."""
+        if not name or name in self.models:
+            return None
+        base, _, adapter = name.rpartition(":")
+        return LoRARequest(adapter, self.models[base].adapters[adapter])
 
     async def model(self, name: str | None, request: Request, keep_alive: float | None = None) -> ServedModel:
         """The model a request names, loaded (it waits for a load under way), held until the response

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from lmdock._lora import LoRARequest
 from lmdock._outputs import CompletionOutput, RequestOutput
 from lmdock._sinks import AsyncQueueSink
 from lmdock.server._errors import APIError, as_api_error
@@ -51,13 +52,15 @@ class Admission:
 
 
 async def engine_stream(st: ServerState, sm: ServedModel, prompt: str | list[int], params: Any,
-                        add_special_tokens: bool = True, max_tokens_field: str | None = None) -> AsyncIterator[RequestOutput]:
+                        add_special_tokens: bool = True, max_tokens_field: str | None = None,
+                        lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
     """Submit one request and yield its snapshots; leaving early (disconnect, cancel) aborts it at once.
 
     ``max_tokens_field``: the name the client asked for a token count under; asking for more than the
-    context leaves is a 400 (as vLLM and OpenAI answer), where a default is cut at the context."""
+    context leaves is a 400 (as vLLM and OpenAI answer), where a default is cut at the context.
+    ``lora_request``: the adapter a ``NAME:ADAPTER`` model name asked for, or None."""
     llm = sm.llm
-    request = llm.make_request(prompt, params, stream=True, add_special_tokens=add_special_tokens)
+    request = llm.make_request(prompt, params, stream=True, add_special_tokens=add_special_tokens, lora_request=lora_request)
     if max_tokens_field is not None:
         room = llm.max_model_len - len(request.prompt_token_ids)
         if params.max_new_tokens > room:

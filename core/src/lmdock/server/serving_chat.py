@@ -55,9 +55,13 @@ async def start_chat(body: ChatRequest, request: Request) -> ChatRun:
         params = sm.llm.constrained(st.sampling_params(sm, body.overrides(), body), plan)
     except LmdockError as exc:
         raise _tool_error(exc, st.retry_after, sm) from None
+    lora = st.adapter(body.model)  # NAME:ADAPTER runs under the adapter on NAME's engine
     admission, streams, firsts = await submit_admitted(request, st, sm, [prompt], params, add_special_tokens=False,
-                                                       max_tokens_field=body.max_tokens_field())
-    return ChatRun(body, request, sm, plan, admission, streams, firsts, st.retry_after, params.n)
+                                                       max_tokens_field=body.max_tokens_field(), lora_request=lora)
+    run = ChatRun(body, request, sm, plan, admission, streams, firsts, st.retry_after, params.n)
+    if lora is not None:
+        run.model = body.model  # the response names the adapter's model, as vLLM's does
+    return run
 
 
 async def render(body: ChatRequest, request: Request) -> tuple[ServedModel, Any, str]:

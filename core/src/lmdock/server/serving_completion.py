@@ -33,8 +33,10 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     sm = await st.model(body.model, request, body.keep_alive)
     prompts = body.prompts()
     params = st.sampling_params(sm, body.overrides(), body)
-    admission, streams, firsts = await submit_admitted(request, st, sm, prompts, params, max_tokens_field=body.max_tokens_field())
-    reply = _Reply(body, sm.name, sm.llm.tokenizer, prompts, params.n)
+    lora = st.adapter(body.model)
+    admission, streams, firsts = await submit_admitted(request, st, sm, prompts, params, max_tokens_field=body.max_tokens_field(),
+                                                       lora_request=lora)
+    reply = _Reply(body, body.model if lora else sm.name, sm.llm.tokenizer, prompts, params.n)
     if body.stream:
         return sse_response(request, reply.chunks(streams, firsts), admission, retry)
     try:

@@ -1,14 +1,20 @@
 """``GET /v1/models`` and ``GET /v1/models/{id}``: every servable model under its config name, with its
 state (loaded / loading / unloaded), the memory its last load measured and its last use; ``POST
-/v1/models/{id}/load`` and ``/unload`` load and unload one (llama.cpp's router routes)."""
+/v1/models/{id}/load`` and ``/unload`` load and unload one (llama.cpp's router routes); vLLM's
+``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` add and remove a model's ``MODEL:ADAPTER``."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
 
-from lmdock.server._state import ServedModel, state_of
+from lmdock._lora import ADAPTER_NAME
+from lmdock.server._errors import APIError
+from lmdock.server._protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from lmdock.server._state import ServedModel, ServerState, state_of
 
 router = APIRouter()
 
@@ -22,9 +28,15 @@ def _card(sm: ServedModel) -> dict[str, Any]:
             "memory_bytes": sm.memory_bytes, "last_used": int(sm.last_used) or None, "requests": sm.holds}
 
 
+def _adapter_cards(sm: ServedModel) -> list[dict[str, Any]]:
+    """A model's LoRA adapters, as vLLM lists them: ``parent`` the base model, ``root`` the folder."""
+    return [{"id": f"{sm.name}:{name}", "object": "model", "created": sm.created, "owned_by": "lmdock", "root": path,
+             "parent": sm.name, "state": sm.state} for name, path in sm.adapters.items()]
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [_card(sm) for sm in state_of(request).models.values()]}
+    return {"object": "list", "data": [card for sm in state_of(request).models.values() for card in (_card(sm), *_adapter_cards(sm))]}
 
 
 @router.get("/v1/models/{model_id:path}")
@@ -49,3 +61,36 @@ async def unload_model(model_id: str, request: Request) -> dict[str, Any]:
     sm = st.served(model_id)
     await st.pool.unload(sm)
     return _card(sm)
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
+    """vLLM's: serve a PEFT adapter folder as ``MODEL:lora_name`` from now on (it loads on first use);
+    403 unless ``[server] allow_runtime_lora_updating``; 400 for a name in use or a folder that is not one."""
+    st = state_of(request)
+    sm = _updatable(st, body.model)
+    if body.lora_name in sm.adapters:
+        raise APIError(400, f"The lora adapter {body.lora_name!r} has already been loaded on {sm.name!r}", param="lora_name")
+    if not ADAPTER_NAME.fullmatch(body.lora_name):
+        raise APIError(400, f"lora_name {body.lora_name!r}: an adapter name is letters, digits, '.', '_' and '-'", param="lora_name")
+    if not (Path(body.lora_path) / "adapter_config.json").is_file():
+        raise APIError(400, f"lora_path {body.lora_path!r} has no adapter_config.json: an adapter is a PEFT folder", param="lora_path")
+    sm.adapters[body.lora_name] = str(Path(body.lora_path).resolve())
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
+    """vLLM's: stop serving ``MODEL:lora_name`` (later requests for it get 404); 404 for an unknown one."""
+    st = state_of(request)
+    sm = _updatable(st, body.model)
+    if sm.adapters.pop(body.lora_name, None) is None:
+        raise APIError(404, f"The lora adapter {body.lora_name!r} cannot be found on {sm.name!r}", param="lora_name")
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
+def _updatable(st: ServerState, model: str | None) -> ServedModel:
+    if not st.settings.allow_runtime_lora_updating:
+        raise APIError(403, "loading and unloading LoRA adapters at run time is off: set [server] allow_runtime_lora_updating = true "
+                            "(vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING), or declare adapters under [models.NAME.adapters]")
+    return st.served(model)

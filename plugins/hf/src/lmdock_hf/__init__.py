@@ -42,7 +42,7 @@ SPEC = BackendSpec(
     kind="step",
     plugin_api="1.0",
     supports=frozenset({"generate", "chat", "stream", "sampling", "logit_bias", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search",
-                        "structured_output", "tools", "embed", "score", "offload", "quantization"}),
+                        "structured_output", "tools", "embed", "score", "offload", "quantization", "lora"}),
     # |prompt logprob - transformers float32| on the conformance reference; measured 0.0038, 0.0023, 0.118
     tolerances={"int8_weight_only": 0.02, "int8_dynamic": 0.02, "int4_weight_only": 0.5},
     requires=("torch", "transformers"),
@@ -65,6 +65,8 @@ def _build(model_config: ModelConfig) -> dict[str, Any] | None:
         "max_seq_len": b.max_seq_len,
         "kv_max_tokens": model_config.kv_cache.max_tokens,
         "compile": b.compile,
+        "max_loras": b.max_loras,
+        "max_lora_rank": b.max_lora_rank,
     }
 
 

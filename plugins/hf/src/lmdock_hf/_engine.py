@@ -3,20 +3,23 @@
 KV state lives in a slot cache (``lmdock_hf._cache``); the model sees it through a ``BatchView``,
 a ``transformers.cache_utils.Cache`` over the rows of one forward, and a 4D additive mask that lets
 each row attend to its own positions only; transformers returns such a mask as it is.  Each step runs one forward for all single-token (decode) chunks and one per prefill chunk,
-so no row is padded along the query axis.
+so no row is padded along the query axis.  LoRA adapters (``lmdock_hf._lora``) add their low-rank
+updates per row, so a decode forward mixes the base model and several adapters.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from lmdock import BackendError, ModelConfig
+from lmdock import BackendError, LoRARequest, ModelConfig
 from lmdock.backend import SeqChunk, StepOutput, read_model_json
 
 from lmdock_hf._cache import BatchView, SlotKVCache, cache_keyword
+from lmdock_hf._lora import DEFAULT_MAX_LORAS, Adapters
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ATTENTION = "lmdock_sdpa"
@@ -62,6 +65,10 @@ class HFStepEngine:
         self.cache = SlotKVCache(device, self.dtype, max_seq_len)
         self.cache_kw = cache_keyword(model)
         self.forward_calls = 0
+        #: LoRA adapters, made on the first request that names one (``prepare_lora``)
+        self.adapters: Adapters | None = None
+        self._adapters_made = threading.Lock()  # submitting threads race to make it: one must win
+        self.lora_limits: tuple[int | None, int | None] = (None, None)  # build.max_loras, build.max_lora_rank
 
     # -- loading --------------------------------------------------------------------------------
 
@@ -92,9 +99,23 @@ class HFStepEngine:
             apply(model, quantization)
         limit = _context_length(model, tokenizer)
         max_seq_len = min(build["max_seq_len"], limit) if build.get("max_seq_len") else limit
-        return cls(model, tokenizer, device, max_seq_len, build.get("kv_max_tokens"), read_model_json(mc.model, "generation_config.json"))
+        engine = cls(model, tokenizer, device, max_seq_len, build.get("kv_max_tokens"), read_model_json(mc.model, "generation_config.json"))
+        engine.lora_limits = (build.get("max_loras"), build.get("max_lora_rank"))
+        return engine
 
     # -- the step-engine contract ---------------------------------------------------------------
+
+    @property
+    def max_loras(self) -> int:
+        """Adapters kept loaded (``build.max_loras``, or lmdock-hf's default); reported in /metrics."""
+        return self.lora_limits[0] or DEFAULT_MAX_LORAS
+
+    def prepare_lora(self, lora: LoRARequest) -> None:
+        """Load a request's adapter (in the submitting thread): one that cannot load fails its request."""
+        with self._adapters_made:
+            if self.adapters is None:
+                self.adapters = Adapters(self.model, *self.lora_limits)
+        self.adapters.prepare(lora)
 
     # KV tensors are inference tensors: every method that touches them runs in inference mode.
     @torch.inference_mode()
@@ -127,14 +148,20 @@ class HFStepEngine:
         view = BatchView(self.cache, [self.cache.slot_of[c.seq_id] for c in chunks], starts, width, kv_len)
         ids = torch.tensor([list(c.token_ids) for c in chunks], device=self.device)
         pos = view.start_t[:, None] + torch.arange(width, device=self.device)[None, :]
-        out = self.model(
-            input_ids=ids,
-            attention_mask=self._mask(pos, kv_len, starts, width),
-            position_ids=pos,
-            use_cache=True,
-            **{self.cache_kw: view},
-            logits_to_keep=0 if all_logits else 1,
-        )
+        if self.adapters is not None:
+            self.adapters.select([c.lora for c in chunks])
+        try:
+            out = self.model(
+                input_ids=ids,
+                attention_mask=self._mask(pos, kv_len, starts, width),
+                position_ids=pos,
+                use_cache=True,
+                **{self.cache_kw: view},
+                logits_to_keep=0 if all_logits else 1,
+            )
+        finally:
+            if self.adapters is not None:
+                self.adapters.clear()
         self.forward_calls += 1
         logits = out.logits.float()
         return (logits[0] if all_logits else logits[:, -1]).cpu().numpy()
@@ -167,6 +194,7 @@ class HFStepEngine:
     def close(self) -> None:
         self.cache = SlotKVCache(self.device, self.dtype, self.max_seq_len)
         self.model = None
+        self.adapters = None  # its weights go with the model
 
 
 def _load_model(auto: Any, model: str, attn: str, kwargs: dict[str, Any]) -> Any:

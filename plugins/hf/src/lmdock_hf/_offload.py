@@ -203,6 +203,7 @@ class OffloadStepEngine(HFStepEngine):
             streamer=streamer, streamed=streamed, plan=chosen, layout=layout,
             kv_compress=(head_dim, group) if group else None,
         )
+        engine.lora_limits = (build.get("max_loras"), build.get("max_lora_rank"))
         return engine
 
     # -- FlexLLMGen's block schedule: every sequence of the step through layer i, then layer i+1 ----
@@ -243,9 +244,13 @@ class OffloadStepEngine(HFStepEngine):
                     mod._parameters[pname] = slot.tensors[key]
             try:
                 for g in groups:
+                    if self.adapters is not None:  # LoRA: which rows of this group run under which adapter
+                        self.adapters.select([c.lora for c in g.chunks])
                     out = layer(g.hidden, attention_mask=g.mask, position_ids=g.pos, use_cache=True, position_embeddings=g.pe, **{self.layer_cache_kw: g.view})
                     g.hidden = out[0] if isinstance(out, tuple) else out
             finally:
+                if self.adapters is not None:
+                    self.adapters.clear()
                 if slot is not None:
                     self.streamer.release(slot)  # type: ignore[union-attr]
         self.forward_calls += 1

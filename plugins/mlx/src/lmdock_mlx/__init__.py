@@ -37,6 +37,7 @@ SPEC = BackendSpec(
         "embed": "mlx-lm serves causal LMs",
         "score": "mlx-lm serves causal LMs",
         "offload": "MLX keeps weights in unified memory",
+        "lora": "not wired yet: mlx-lm applies adapter_path to the whole model, not per row (issue 33)",
     },
     requires=("mlx", "mlx_lm"),
     engine_packages=("mlx", "mlx-lm"),  # mlx-lm's caches and model calls (docs/authoring-backends.md)

@@ -79,6 +79,7 @@ SPEC = BackendSpec(
                         "structured_output", "tools", "quantization", "embed", "score"}),
     lacks={
         "offload": "ONNX Runtime holds the whole graph in one session; no OffloadPolicy",
+        "lora": "not wired yet: onnxruntime-genai's Multi-LoRA adapters are not passed through (issue 33)",
     },
     requires=("onnxruntime", "numpy"),
     # onnxruntime runs the graph (a GPU build instead where installed); transformers loads tokenizers and,

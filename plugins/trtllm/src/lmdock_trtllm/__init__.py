@@ -55,6 +55,7 @@ SPEC = BackendSpec(
         "embed": "TensorRT-LLM's LLM API serves causal LMs",
         "score": "TensorRT-LLM's LLM API serves causal LMs",
         "offload": "use kv_cache.cpu_space_gib for host KV offload; weights stay on the GPUs",
+        "lora": "not wired yet: TensorRT-LLM's LoRARequest is not passed through (issue 33)",
     },
     requires=("tensorrt_llm",),
     engine_packages=("tensorrt-llm",),

@@ -83,6 +83,7 @@ SPEC = BackendSpec(
     ),
     lacks={
         "offload": "no portable mapping: pass backends.vllm.engine_args = {cpu_offload_gb = N} for vLLM's weight offload to RAM",
+        "lora": "not wired yet: vLLM's LoRARequest is not passed through (issue 33)",
     },
     requires=("vllm",),
     engine_packages=tuple(BUILDS),  # whichever build is installed, each with its own tested range

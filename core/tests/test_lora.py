@@ -1,0 +1,203 @@
+"""LoRARequest plumbing through the core (issue 33): the capability gate, the adapter on each chunk, a
+bad adapter failing its request alone, and the prompt cache keyed by adapter.  FAKE engine (core
+plumbing only): its "adapter" adds a fixed row to the logits; real adapters are tested in lmdock-hf."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import lmdock
+import pytest
+from fakes import FakeStepEngine
+from lmdock import LLM, LoRARequest, RequestError, SamplingParams, UnsupportedError, _plugins
+from lmdock._engine.prefix_cache import PromptCache
+from lmdock.backend import BackendSpec, SeqChunk, StepOutput
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+PROMPT = [1, 5, 6, 7, 8, 9, 10, 11]
+
+
+class FakeLoraEngine(FakeStepEngine):
+    """The FAKE engine with "adapters": an adapter named ``bias-T`` makes token T the argmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prepared: list[str] = []
+        self.seen: list[tuple[int, int, str | None]] = []  # (seq_id, start, adapter name) per chunk
+
+    def prepare_lora(self, lora: LoRARequest) -> None:
+        if not lora.name.startswith("bias-"):
+            raise FileNotFoundError(f"no adapter_config.json in {lora.path}")
+        self.prepared.append(lora.name)
+
+    def step(self, chunks: Sequence[SeqChunk]) -> StepOutput:
+        out = super().step(chunks)
+        for i, c in enumerate(chunks):
+            self.seen.append((c.seq_id, c.start, c.lora.name if c.lora else None))
+            if c.lora is not None:
+                out.last[i, int(c.lora.name.split("-")[1])] += 100.0
+        return out
+
+    def fork(self, src: int, dst: int, length: int) -> bool:
+        self.state[dst] = list(self.state[src][:length])
+        return True
+
+
+class FakeLoraPlugin:
+    def __init__(self) -> None:
+        self.engines: list[FakeLoraEngine] = []
+
+    @lmdock.hookimpl
+    def lmdock_register_backends(self, register: Any) -> None:
+        register(BackendSpec(name="fakelora", kind="step", plugin_api="1.0", supports=frozenset({"generate", "lora"}), description="FAKE test backend with adapters"))
+
+    @lmdock.hookimpl
+    def lmdock_load_engine(self, backend: str, model_config: Any, options: Any, quantization: Any, build: Any) -> Any:
+        if backend != "fakelora":
+            return None
+        self.engines.append(FakeLoraEngine())
+        return self.engines[-1]
+
+
+@pytest.fixture
+def fakelora(isolated: Any) -> FakeLoraPlugin:
+    plugin = FakeLoraPlugin()
+    _plugins.get_registry().add_plugin(plugin, "fakelora")
+    return plugin
+
+
+def test_vllm_argument_names_are_aliases() -> None:
+    assert LoRARequest("sql", 1, "/a/sql") == LoRARequest(lora_name="sql", lora_int_id=1, lora_path="/a/sql") == LoRARequest("sql", path="/a/sql", int_id=1)
+    lora = LoRARequest("sql", "/a/sql")
+    assert (lora.lora_name, lora.lora_path, lora.lora_int_id) == ("sql", "/a/sql", None)
+    with pytest.raises(RequestError, match="disagree"):
+        LoRARequest("sql", "/a", lora_path="/b")
+    with pytest.raises(RequestError, match="needs the adapter's path"):
+        LoRARequest("sql")
+
+
+def test_a_backend_without_lora_refuses_it_by_name(fake: Any) -> None:
+    with LLM("m", backend="fake") as llm:
+        with pytest.raises(UnsupportedError, match=r"lora_request: backend 'fake' cannot run LoRA adapters .*does not declare 'lora'"):
+            llm.generate([PROMPT], GREEDY, lora_request=LoRARequest("a", "/x"))
+        with pytest.raises(UnsupportedError, match="lora_request"):
+            list(llm.stream(PROMPT, GREEDY, lora_request=LoRARequest("a", "/x")))
+        assert llm.generate([PROMPT], GREEDY)[0].outputs[0].token_ids  # without one it runs
+
+
+def test_each_prompt_runs_under_its_own_adapter_in_one_batch(fakelora: FakeLoraPlugin) -> None:
+    with LLM("m", backend="fakelora", kv_cache={"enable_prefix_caching": False}) as llm:
+        base = llm.generate([PROMPT], GREEDY)[0].outputs[0].token_ids
+        a, b = LoRARequest("bias-20", "/a"), LoRARequest("bias-21", "/b")
+        outs = llm.generate([PROMPT, PROMPT, PROMPT], GREEDY, lora_request=[None, a, b])
+        engine = fakelora.engines[-1]
+    assert outs[0].outputs[0].token_ids == base
+    assert outs[1].outputs[0].token_ids == [20] * 6
+    assert outs[2].outputs[0].token_ids == [21] * 6
+    assert engine.prepared == ["bias-20", "bias-21"]
+    with pytest.raises(RequestError, match="got 2 lora_request entries for 3 prompts"):
+        llm.generate([PROMPT] * 3, GREEDY, lora_request=[a, b])
+
+
+def test_an_adapter_that_cannot_load_fails_its_request_alone(fakelora: FakeLoraPlugin) -> None:
+    with LLM("m", backend="fakelora") as llm:
+        with pytest.raises(RequestError, match=r"lora_request 'missing': the adapter at '/nowhere' could not be loaded: FileNotFoundError"):
+            llm.generate([PROMPT], GREEDY, lora_request=LoRARequest("missing", "/nowhere"))
+        assert llm.generate([PROMPT], GREEDY, lora_request=LoRARequest("bias-20", "/a"))[0].outputs[0].token_ids == [20] * 6
+
+
+def test_a_cached_prompt_is_reused_under_its_own_adapter_only(fakelora: FakeLoraPlugin) -> None:
+    with LLM("m", backend="fakelora") as llm:
+        a, b = LoRARequest("bias-20", "/a"), LoRARequest("bias-21", "/b")
+        engine = fakelora.engines[-1]
+        runs = {}
+        for name, lora in (("a", a), ("b", b), ("base", None), ("a again", a)):
+            engine.seen.clear()
+            llm.generate([PROMPT], GREEDY, lora_request=lora)
+            runs[name] = engine.seen[0][1]  # where the first chunk started: > 0 is a prefix-cache hit
+    assert runs == {"a": 0, "b": 0, "base": 0, "a again": len(PROMPT) - 1}
+
+
+def test_prompt_cache_tries_are_per_adapter() -> None:
+    cache = PromptCache()
+    cache.insert([1, 2, 3], 10, adapter=("a", "/a"))
+    assert cache.lookup([1, 2, 3, 4], adapter=("b", "/b")) == (None, 0)
+    assert cache.lookup([1, 2, 3, 4]) == (None, 0)
+    assert cache.lookup([1, 2, 3, 4], adapter=("a", "/a")) == (10, 3)
+    cache.insert([1, 2], 11)
+    assert cache.evict(3) == ([10], 3)
+    assert list(cache.roots) == [None]  # the adapter's trie went with its last prompt
+
+
+def test_a_vllm_lora_request_object_is_read_by_its_attributes(fakelora: FakeLoraPlugin) -> None:
+    class VllmLoRARequest:  # vllm.lora.request.LoRARequest's attributes
+        lora_name, lora_int_id, lora_path = "bias-22", 3, "/c"
+
+    with LLM("m", backend="fakelora") as llm:
+        out = llm.generate([PROMPT], GREEDY, lora_request=VllmLoRARequest())[0]
+    assert out.outputs[0].token_ids == [22] * 6
+
+
+def test_lora_limits_on_a_backend_without_lora_are_refused(fake: Any) -> None:
+    with pytest.raises(UnsupportedError, match=r"build.max_loras: backend 'fake' cannot run LoRA adapters"):
+        LLM("m", backend="fake", build={"max_loras": 2})
+    with pytest.raises(lmdock.ConfigError, match="max_lora_rank"):
+        LLM("m", backend="fake", build={"max_lora_rank": 0})
+
+
+def test_lora_limits_reach_a_backend_with_lora(fakelora: FakeLoraPlugin) -> None:
+    with LLM("m", backend="fakelora", build={"max_loras": 2, "max_lora_rank": 8}) as llm:
+        assert (llm.model_config.build.max_loras, llm.model_config.build.max_lora_rank) == (2, 8)
+
+
+def test_an_adapter_declared_in_the_config_is_named_by_its_name(fakelora: FakeLoraPlugin, isolated: Any) -> None:
+    (isolated / "lmdock.toml").write_text('[models.m]\nmodel = "m"\nbackend = "fakelora"\n[models.m.adapters]\n"bias-20" = "adapters/b20"\n')
+    with LLM("m") as llm:
+        assert llm.model_config.adapters == {"bias-20": str(isolated / "adapters" / "b20")}
+        assert llm.generate([PROMPT], GREEDY, lora_request="bias-20")[0].outputs[0].token_ids == [20] * 6
+        with pytest.raises(RequestError, match=r"lora_request 'sql': the model declares no such adapter \(declared: bias-20\)"):
+            llm.generate([PROMPT], GREEDY, lora_request="sql")
+
+
+def test_declared_adapters_on_a_backend_without_lora_are_refused(fake: Any, isolated: Any) -> None:
+    (isolated / "lmdock.toml").write_text('[models.m]\nmodel = "m"\nbackend = "fake"\n[models.m.adapters]\nsql = "a"\n')
+    with pytest.raises(UnsupportedError, match=r"\[models.NAME.adapters\]: backend 'fake' cannot run LoRA adapters"):
+        LLM("m")
+    (isolated / "lmdock.toml").write_text('[models.m]\nmodel = "m"\nbackend = "fake"\n[models.m.adapters]\n"a:b" = "a"\n')
+    with pytest.raises(lmdock.ConfigError, match="an adapter name is letters"):
+        LLM("m")
+
+
+def test_stats_name_the_adapters_of_running_and_waiting_requests(fakelora: FakeLoraPlugin) -> None:
+    """vLLM's lora_requests_info, from the loop: one request runs under bias-20, the other (bias-21)
+    waits for the only batch slot; the engine's second step is held until the check."""
+    import threading
+
+    with LLM("m", backend="fakelora", scheduler={"max_num_seqs": 1}) as llm:
+        engine = fakelora.engines[-1]
+        entered = [threading.Event(), threading.Event()]
+        go = [threading.Event(), threading.Event()]
+        calls = []
+        step = engine.step
+
+        def held_step(chunks: Sequence[SeqChunk]) -> StepOutput:
+            n = len(calls)
+            calls.append(n)
+            if n < 2:
+                entered[n].set()
+                go[n].wait(30)
+            return step(chunks)
+
+        engine.step = held_step  # type: ignore[method-assign]
+        first = llm.generate_async(PROMPT, GREEDY, lora_request=LoRARequest("bias-20", "/a"))
+        assert entered[0].wait(30)
+        second = llm.generate_async(PROMPT, GREEDY, lora_request=LoRARequest("bias-21", "/b"))
+        go[0].set()  # the loop takes the second request in before its next step
+        assert entered[1].wait(30)
+        stats = llm.stats()
+        assert (stats["running_lora_adapters"], stats["waiting_lora_adapters"], stats["max_lora"]) == ("bias-20", "bias-21", 0)
+        go[1].set()
+        first.result(timeout=30), second.result(timeout=30)
+        stats = llm.stats()
+    assert (stats["running_lora_adapters"], stats["waiting_lora_adapters"]) == ("", "")
