@@ -547,6 +547,8 @@ class ServerConfig(_Replaceable):
     keep_alive_timeout: float = 5.0
     max_connections: int = 512
     metric_names: Literal["lmdock", "vllm"] = "lmdock"
+    #: each model's engine as this many Ray Serve replicas behind the one server (1: no Ray; ``server/_ray.py``)
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins or ()))
@@ -569,6 +571,7 @@ class ServerConfig(_Replaceable):
         _int("retry_after", self.retry_after, 1, optional=False)
         _range("shutdown_timeout", self.shutdown_timeout, 0.0)
         check(self.api_key is None or self.api_key != "", "api_key", "is empty; remove it or give a key")
+        _int("replicas", self.replicas, 1, optional=False)
         check(self.metric_names in ("lmdock", "vllm"), "metric_names",
               f"must be 'lmdock' (lmdock: names only) or 'vllm' (also vLLM's vllm: names), got {self.metric_names!r}")
 
