@@ -43,6 +43,7 @@ def test_values_are_read(isolated: Path) -> None:
     ("memory_budget_gib = 0", "server.memory_budget_gib"),
     ("max_loaded_models = 0", "server.max_loaded_models"),
     ("metric_names = 'prometheus'", "server.metric_names"),
+    ("replicas = 0", "server.replicas"),
 ])
 def test_mistakes_name_the_key(isolated: Path, text: str, key: str) -> None:
     with pytest.raises(ConfigError) as exc:

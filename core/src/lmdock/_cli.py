@@ -153,7 +153,7 @@ def _parser() -> Parser:
     sv.add_argument("--api-key", help="require this key (default: $LMDOCK_API_KEY, then [server] api_key_file / api_key)")
     sv.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file for /v1/chat/completions")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    sv.add_argument("--replicas", type=int, metavar="N",
+    sv.add_argument("--replicas", type=_replicas, metavar="N",
                     help="run each model's engine as N Ray Serve replicas behind this server (default: [server] "
                          "replicas, 1: no Ray); needs pip install 'lmdock[ray]'")
     sv.set_defaults(func=cmd_serve)
@@ -174,6 +174,13 @@ def _port(value: str) -> int:
     """A TCP port number, 0 to 65535 (0: any free port)."""
     if not value.isdigit() or int(value) > 65535:
         raise argparse.ArgumentTypeError(f"{value!r} is not a port: give a number from 0 to 65535")
+    return int(value)
+
+
+def _replicas(value: str) -> int:
+    """A replica count, 1 or more."""
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a replica count: give a number from 1 (1: no Ray)")
     return int(value)
 
 

@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from lmdock._errors import EngineClosedError
+from lmdock._errors import ConfigError, EngineClosedError
 from lmdock._sinks import AsyncQueueSink
 
 #: the Ray Serve application holding model NAME's replicas
@@ -35,7 +35,8 @@ def start_ray(replicas: int) -> None:
         import ray
         from ray import serve
     except ImportError:
-        raise ImportError('lmdock serve --replicas needs Ray Serve: pip install "lmdock[ray]"') from None
+        raise ConfigError(f'{replicas} replicas need Ray Serve, which is not installed: pip install "lmdock[ray]"',
+                          key="server.replicas") from None
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):
             ray.init(log_to_driver=False)
