@@ -106,6 +106,19 @@ def test_a_dead_replica_fails_its_requests_with_503_and_the_service_recovers(rep
     assert _complete(replicas) == DOCUMENTED  # the other replica (and Ray's replacement) go on serving
 
 
+def test_requests_sharing_a_long_prefix_land_on_one_replica(replicas: Server) -> None:
+    prefix = "Once upon a time" + DOCUMENTED  # 45 tokens: past the 32 the router keys on
+    before = _served(replicas)
+    with ThreadPoolExecutor(10) as pool:
+        texts = list(pool.map(lambda i: _client(replicas).completions.create(
+            model="stories", prompt=f"{prefix} Then {i}", max_tokens=4, temperature=0).choices[0].text, range(10)))
+    assert all(texts)
+    after = _served(replicas)
+    counts = {r: after[r] - before.get(r, 0) for r in after if after[r] != before.get(r, 0)}
+    assert list(counts.values()) == [10], counts  # all ten on the replica holding the prefix
+
+
 def test_sigterm_drains_and_exits_0(replicas: Server) -> None:
     replicas.proc.send_signal(signal.SIGTERM)
     assert replicas.proc.wait(120) == 0, replicas.output()
+

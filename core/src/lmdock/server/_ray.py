@@ -6,9 +6,9 @@ template, limits and sampling defaults answer the routes), then puts a :class:`R
 of its engine, whose ``submit`` sends the request to the deployment's handle and streams the replica's
 snapshots back into the route's sink, and whose ``abort`` cancels that stream (Ray Serve cancels the
 replica's generator, which aborts its engine request).  So routes, auth, errors, metrics and drain are
-the same code as a plain ``lmdock serve``.  Ray Serve's handle picks a replica (power of two choices
-over their queue lengths).  A replica that dies fails the requests it held with
-``EngineClosedError`` (503 with Retry-After); Ray Serve starts another.
+the same code as a plain ``lmdock serve``.  The handle routes by prompt prefix (``_ray_router.py``).
+A replica that dies fails the requests it held with ``EngineClosedError`` (503 with Retry-After);
+Ray Serve starts another.
 
 The cluster is the one ``RAY_ADDRESS`` names, else a local one sized to this machine (at least one CPU
 per replica); Ray Serve's own HTTP proxy is off (the front end is the HTTP server).
@@ -155,8 +155,13 @@ def replicated(loader: Callable[[], Any], name: str, replicas: int) -> Callable[
 
         llm = loader()
         sched = llm.model_config.scheduler  # each replica takes as many requests as its scheduler holds
+        from ray.serve.config import RequestRouterConfig
+
+        from lmdock.server._ray_router import PrefixAffinityRouter
+
         deployment = serve.deployment(ReplicaEngine, name=name, num_replicas=replicas, ray_actor_options={"num_cpus": 1},
-                                      max_ongoing_requests=sched.max_num_seqs + sched.max_waiting)
+                                      max_ongoing_requests=sched.max_num_seqs + sched.max_waiting,
+                                      request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter))
         handle = serve.run(deployment.bind(loader), name=APP_PREFIX + name, route_prefix=None)
         llm.wrap_engine(lambda local: RemoteEngine(local, handle, name))
         return llm
