@@ -205,10 +205,6 @@ def serve(
     key = resolve_api_key(settings, api_key)
     if replicas is not None:
         settings = dataclasses.replace(settings, replicas=replicas)  # validated as the config's key
-    if settings.replicas > 1:
-        from lmdock.server._ray import start_ray
-
-        start_ray(settings.replicas)
     served = [_served(name, cfg, path, settings, backend, options or {}, template_text, served_name) for name in names]
     start = [sm for sm, name in zip(served, names) if models or _at_start(name, cfg)]
     limit = settings.max_loaded_models
@@ -217,6 +213,10 @@ def serve(
                           f"command line, default_model, pin or preload), more than [server] max_loaded_models = {limit}",
                           source=str(path) if path else None, key="server.max_loaded_models")
     app = create_app(served, settings, key)
+    if settings.replicas > 1:  # the replicas are deployed as their models load (server/_ray.py)
+        from lmdock.server._ray import start_ray
+
+        start_ray(settings.replicas)
     try:
         for sm in start:
             app.state.lmdock.pool.preload(sm)
