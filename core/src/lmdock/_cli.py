@@ -153,6 +153,9 @@ def _parser() -> Parser:
     sv.add_argument("--api-key", help="require this key (default: $LMDOCK_API_KEY, then [server] api_key_file / api_key)")
     sv.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file for /v1/chat/completions")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    sv.add_argument("--replicas", type=_replicas, metavar="N",
+                    help="run each model's engine as N Ray Serve replicas behind this server (default: [server] "
+                         "replicas, 1: no Ray); needs pip install 'lmdock[ray]'")
     sv.set_defaults(func=cmd_serve)
 
     cfg = sub.add_parser("config", help="check the config file or print its JSON Schema")
@@ -171,6 +174,13 @@ def _port(value: str) -> int:
     """A TCP port number, 0 to 65535 (0: any free port)."""
     if not value.isdigit() or int(value) > 65535:
         raise argparse.ArgumentTypeError(f"{value!r} is not a port: give a number from 0 to 65535")
+    return int(value)
+
+
+def _replicas(value: str) -> int:
+    """A replica count, 1 or more."""
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a replica count: give a number from 1 (1: no Ray)")
     return int(value)
 
 
@@ -448,7 +458,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     models = ([args.model] if args.model else []) + (args.models or [])
     return serve(models, args.config, host=args.host, port=args.port, api_key=args.api_key, backend=args.backend,
                  chat_template=args.chat_template, log_level=args.log_level, options=_vllm_options(args),
-                 served_name=args.served_model_name)
+                 served_name=args.served_model_name, replicas=args.replicas)
 
 
 def _vllm_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import queue
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from lmdock._aliases import constructor_options
@@ -91,6 +91,11 @@ class LLM:
         _live.discard(self)
         if engine is not None:
             engine.close()
+
+    def wrap_engine(self, wrap: Callable[[RequestEngine], RequestEngine]) -> None:
+        """Put ``wrap(engine)`` in the engine's place: every request goes through it, and shutdown closes
+        it.  ``lmdock serve --replicas`` uses it to send requests to Ray Serve replicas."""
+        self._engine = wrap(self.engine)
 
     def __enter__(self) -> LLM:
         return self

@@ -524,6 +524,8 @@ class ServerConfig(_Replaceable):
     the least recently used idle model is unloaded to make room; None is no bound.
     ``max_header_bytes``, ``max_headers``, ``header_timeout``, ``keep_alive_timeout`` and
     ``max_connections`` bound what a connection may cost before any route runs (``server/_http.py``).
+    ``metric_names = "vllm"`` also exports the engine gauges under vLLM's ``vllm:`` names, which the
+    Gateway API Inference Extension (llm-d, KServe) reads from a model server (``server/_metrics.py``).
     """
 
     host: str = "127.0.0.1"
@@ -554,6 +556,9 @@ class ServerConfig(_Replaceable):
     header_timeout: float = 10.0
     keep_alive_timeout: float = 5.0
     max_connections: int = 512
+    metric_names: Literal["lmdock", "vllm"] = "lmdock"
+    #: each model's engine as this many Ray Serve replicas behind the one server (1: no Ray; ``server/_ray.py``)
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins or ()))
@@ -576,6 +581,9 @@ class ServerConfig(_Replaceable):
         _int("retry_after", self.retry_after, 1, optional=False)
         _range("shutdown_timeout", self.shutdown_timeout, 0.0)
         check(self.api_key is None or self.api_key != "", "api_key", "is empty; remove it or give a key")
+        _int("replicas", self.replicas, 1, optional=False)
+        check(self.metric_names in ("lmdock", "vllm"), "metric_names",
+              f"must be 'lmdock' (lmdock: names only) or 'vllm' (also vLLM's vllm: names), got {self.metric_names!r}")
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ def create_app(models: list[ServedModel], settings: ServerConfig | None = None, 
         raise ValueError("create_app needs at least one model")
     served = {m.name: m for m in models}
     metrics = Metrics(lambda: {name: engine_stats(m) for name, m in served.items()},
-                      lambda: {name: (m.llm is not None, m.memory_bytes) for name, m in served.items()})
+                      lambda: {name: (m.llm is not None, m.memory_bytes) for name, m in served.items()},
+                      names=settings.metric_names)
     pool = ServedPool(served, settings, metrics)
     state = ServerState(served, settings, api_key, metrics, pool)
     app = FastAPI(title="lmdock", docs_url=None, redoc_url=None, openapi_url=None)

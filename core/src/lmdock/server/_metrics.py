@@ -5,6 +5,13 @@ Gauges (requests running and waiting, KV-cache usage, preemptions, sequences hel
 counts and latencies are measured by the server from what it sends.  The model pool adds loads, load
 seconds, unloads by reason (``evicted``, ``keep_alive``, ``request``) and, per model, whether it is loaded
 and the memory its load measured.
+
+With ``[server] metric_names = "vllm"`` the engine gauges are exported a second time under vLLM's own
+names, the ones the Gateway API Inference Extension's endpoint picker (llm-d, KServe) scrapes from a
+model server (its model-server protocol): ``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
+``vllm:kv_cache_usage_perc`` and its older name ``vllm:gpu_cache_usage_perc``, and
+``vllm:lora_requests_info``, whose labels name the adapters running and waiting and the most the engine
+holds at once, and whose value is the time it was read (the picker keeps the newest series).
 """
 
 from __future__ import annotations
@@ -30,9 +37,21 @@ _GAUGES = {
 }
 
 
+#: ``[server] metric_names``: which names the engine gauges are exported under.
+METRIC_NAMES = ("lmdock", "vllm")
+
+#: vLLM's name for each engine gauge the inference gateway reads (KV-cache usage under both its names).
+_VLLM_GAUGES = {
+    "num_requests_running": ("vllm:num_requests_running",),
+    "num_requests_waiting": ("vllm:num_requests_waiting",),
+    "kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+}
+
+
 class _EngineCollector:
-    def __init__(self, stats: Callable[[], dict[str, dict[str, Any]]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, dict[str, Any]]], vllm_names: bool = False) -> None:
         self._stats = stats
+        self._vllm_names = vllm_names
 
     def collect(self) -> Iterable[Any]:
         per_model = self._stats()
@@ -52,6 +71,26 @@ class _EngineCollector:
         for model, s in per_model.items():
             c.add_metric([model], float(s.get("num_preemptions_total", 0) or 0))
         yield c
+        if self._vllm_names:
+            yield from _vllm_gauges(per_model)
+
+
+def _vllm_gauges(per_model: dict[str, dict[str, Any]]) -> Iterable[Any]:
+    """The gauges under vLLM's names; LoRA adapters from the engine's ``running_lora_adapters``,
+    ``waiting_lora_adapters`` (names) and ``max_lora`` stats, empty and 0 where it reports none."""
+    for key, names in _VLLM_GAUGES.items():
+        for name in names:
+            g = GaugeMetricFamily(name, f"{_GAUGES[key]} (vLLM's name)", labels=["model_name"])
+            for model, s in per_model.items():
+                g.add_metric([model], float(s.get(key, 0) or 0))
+            yield g
+    lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters running and waiting; the value is when it was read.",
+                             labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+    now = time.time()
+    for model, s in per_model.items():
+        lora.add_metric([model, ",".join(s.get("running_lora_adapters") or ()), ",".join(s.get("waiting_lora_adapters") or ()),
+                         str(int(s.get("max_lora", 0) or 0))], now)
+    yield lora
 
 
 class _PoolCollector:
@@ -75,7 +114,7 @@ class _PoolCollector:
 
 class Metrics:
     def __init__(self, stats: Callable[[], dict[str, dict[str, Any]]],
-                 models: Callable[[], dict[str, tuple[bool, int | None]]] | None = None) -> None:
+                 models: Callable[[], dict[str, tuple[bool, int | None]]] | None = None, names: str = "lmdock") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         m = ["model_name"]
@@ -91,7 +130,9 @@ class Metrics:
         self.model_load_seconds = Histogram("lmdock:model_load_seconds", "Time to load a model.", m, buckets=_E2E, registry=r)
         self.model_unloads = Counter("lmdock:model_unloads", "Models unloaded, by reason (evicted, keep_alive, request).",
                                      [*m, "reason"], registry=r)
-        r.register(_EngineCollector(stats))
+        if names not in METRIC_NAMES:
+            raise ValueError(f"metric_names must be one of {', '.join(METRIC_NAMES)}, got {names!r}")
+        r.register(_EngineCollector(stats, vllm_names=names == "vllm"))
         if models is not None:
             r.register(_PoolCollector(models))
 

@@ -10,7 +10,7 @@ A field a body does not know is refused with a 400 naming it (and the closest kn
 from __future__ import annotations
 
 import difflib
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -25,9 +25,14 @@ from lmdock.server._structured import structured_output
 
 class StrictBody(BaseModel):
     """A request body (or a part of one) that refuses a field it does not know, naming it and the
-    closest known one, and a string that is no valid Unicode (a lone surrogate), naming where."""
+    closest known one, and a string that is no valid Unicode (a lone surrogate), naming where.
+
+    ``neutral_fields``: fields of other servers that routers in front of lmdock fill in (vllm-router
+    sends SGLang's with their defaults), accepted at the one value that asks for what lmdock does
+    anyway and refused at any other."""
 
     model_config = ConfigDict(extra="ignore")  # a null unknown field; any other is refused below
+    neutral_fields: ClassVar[dict[str, Any]] = {}
 
     @model_validator(mode="before")
     @classmethod
@@ -35,6 +40,12 @@ class StrictBody(BaseModel):
         if isinstance(data, dict):
             known = [f.alias or name for name, f in cls.model_fields.items()]  # a body's names (json, not json_)
             for key, value in data.items():
+                if key in cls.neutral_fields and key not in known:
+                    if value is None or value == cls.neutral_fields[key]:
+                        continue
+                    raise PydanticCustomError("unknown_field", "{message}", {"field": key, "message": (
+                        f"{key}={value!r} is not supported by lmdock serve, which takes {key} only as "
+                        f"{cls.neutral_fields[key]!r} (what it does anyway): remove it")})
                 if value is not None and key not in known:
                     raise PydanticCustomError("unknown_field", "{message}", {"field": key, "message": unknown_field(key, known)})
         where = _lone_surrogate(data, "")
@@ -83,6 +94,8 @@ class StructuredOutputs(StrictBody):
 
 
 class _Sampling(StrictBody):
+    #: SGLang's, as vllm-router sends them: stop strings trimmed from the text, no hidden states
+    neutral_fields: ClassVar[dict[str, Any]] = {"no_stop_trim": False, "return_hidden_states": False}
     # OpenAI's ranges (a float past them, or inf/nan, is a 400 naming the field, as OpenAI answers)
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=0)
@@ -191,6 +204,9 @@ class ResponseFormat(StrictBody):
 
 
 class ChatRequest(_Sampling):
+    #: and for chat: reasoning separated from the answer (with the model's reasoning parser), streamed, included
+    neutral_fields: ClassVar[dict[str, Any]] = {**_Sampling.neutral_fields, "separate_reasoning": True,
+                                                "stream_reasoning": True, "include_reasoning": True}
     messages: list[dict[str, Any]]
 
     @model_validator(mode="after")

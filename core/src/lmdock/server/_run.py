@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -171,13 +172,15 @@ def serve(
     log_level: str = "info",
     options: dict[str, Any] | None = None,
     served_name: str | None = None,
+    replicas: int | None = None,
 ) -> int:
     """Serve ``models`` (config names, paths or hub ids; by default every model of the config file).
 
     Models named here, the config's ``default_model`` and those with ``pin`` or ``preload`` are loaded
     before the server listens; the others when a request first names them (``server/_pool.py``, over ``lmdock.ModelPool``).
     ``options``: ``LLM(...)`` options over each model's config entry (vLLM's serve flags);
-    ``served_name``: the name clients use for the one model (vLLM's ``--served-model-name``)."""
+    ``served_name``: the name clients use for the one model (vLLM's ``--served-model-name``);
+    ``replicas``: each model's engine as that many Ray Serve replicas (over ``[server] replicas``; ``server/_ray.py``)."""
     path = find_config(config)
     cfg = load_config(path) if path is not None else None
     settings = cfg.server if cfg is not None else ServerConfig()
@@ -200,6 +203,8 @@ def serve(
         except OSError as exc:
             raise ConfigError(f"cannot read the chat template: {exc.strerror}", source=template) from None
     key = resolve_api_key(settings, api_key)
+    if replicas is not None:
+        settings = dataclasses.replace(settings, replicas=replicas)  # validated as the config's key
     served = [_served(name, cfg, path, settings, backend, options or {}, template_text, served_name) for name in names]
     start = [sm for sm, name in zip(served, names) if models or _at_start(name, cfg)]
     limit = settings.max_loaded_models
@@ -208,6 +213,10 @@ def serve(
                           f"command line, default_model, pin or preload), more than [server] max_loaded_models = {limit}",
                           source=str(path) if path else None, key="server.max_loaded_models")
     app = create_app(served, settings, key)
+    if settings.replicas > 1:  # the replicas are deployed as their models load (server/_ray.py)
+        from lmdock.server._ray import start_ray
+
+        start_ray(settings.replicas)
     try:
         for sm in start:
             app.state.lmdock.pool.preload(sm)
@@ -233,6 +242,10 @@ def serve(
         server.run()
     finally:
         app.state.lmdock.pool.close()  # every loaded engine shut down
+        if settings.replicas > 1:
+            from lmdock.server._ray import stop_ray
+
+            stop_ray()
     return 0
 
 
@@ -252,6 +265,10 @@ def _served(name: str, cfg: ConfigFile | None, path: Path | None, settings: Serv
 
     entry = cfg.models.get(name) if cfg is not None else None
     mc = entry or ModelConfig(model=name)
-    loader = functools.partial(LLM, name, backend=backend, config=path, **options)
+    loader: Any = functools.partial(LLM, name, backend=backend, config=path, **options)
+    if settings.replicas > 1:
+        from lmdock.server._ray import replicated
+
+        loader = replicated(loader, served_name or name, settings.replicas)
     return ServedModel(served_name or name, None, queue_limit(settings, mc), template, loader=loader, root=mc.model,
                        keep_alive=mc.keep_alive, pin=entry is None or mc.pin, adapters=dict(mc.adapters))

@@ -1,0 +1,124 @@
+"""``lmdock serve --replicas 2``: stories260K (hf) as two Ray Serve replicas behind one ``lmdock serve``,
+on a local Ray cluster, driven by the openai client over 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from serve_helpers import DOCUMENTED, Server
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = Server(tmp_path_factory.mktemp("replicas"), args=("--replicas", "2"), env={"RAY_ADDRESS": None})
+    yield s
+    s.stop()
+
+
+def _client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _complete(server: Server) -> str:
+    reply = _client(server).completions.create(model="stories", prompt="Once upon a time", max_tokens=40, temperature=0)
+    return reply.choices[0].text
+
+
+def _served(server: Server) -> dict[str, int]:
+    return httpx.get(f"{server.url}/stats", timeout=10).json()["stories"]["replica_requests"]
+
+
+def _replica_pids(root: int) -> list[int]:
+    """The Ray Serve replica processes under ``root`` (the server started the local cluster)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError):
+                continue
+    found = []
+    for pid in parents:
+        try:
+            title = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")[0]
+        except OSError:
+            continue
+        up = pid
+        while up in parents and up != root:
+            up = parents[up]
+        if up == root and title.startswith(b"ray::ServeReplica"):
+            found.append(pid)
+    return found
+
+
+def test_the_exact_greedy_text_through_a_replica(replicas: Server) -> None:
+    assert _complete(replicas) == DOCUMENTED
+    stream = _client(replicas).completions.create(model="stories", prompt="Once upon a time", max_tokens=40, temperature=0,
+                                                  stream=True)
+    assert "".join(ch.choices[0].text for ch in stream if ch.choices) == DOCUMENTED  # streamed from the replica
+
+
+def test_40_concurrent_requests_all_succeed_on_both_replicas(replicas: Server) -> None:
+    before = _served(replicas)
+    with ThreadPoolExecutor(40) as pool:
+        texts = list(pool.map(lambda _: _complete(replicas), range(40)))
+    assert texts == [DOCUMENTED] * 40
+    after = _served(replicas)
+    counts = {r: after[r] - before.get(r, 0) for r in after}
+    assert sum(counts.values()) == 40
+    assert len([c for c in counts.values() if c > 0]) == 2, counts  # both replicas served some
+
+
+def test_a_dead_replica_fails_its_requests_with_503_and_the_service_recovers(replicas: Server) -> None:
+    pids = _replica_pids(replicas.proc.pid)
+    assert len(pids) == 2, pids
+    client = _client(replicas)
+
+    def one(_: int) -> str:
+        try:  # long requests, so that they are still running in the replica when it dies
+            return client.completions.create(model="stories", prompt="Once upon a time", max_tokens=480,
+                                             temperature=0).choices[0].text
+        except openai.APIStatusError as exc:
+            assert exc.status_code == 503 and exc.response.headers["retry-after"], exc
+            assert "replica" in exc.response.json()["error"]["message"]
+            return "503"
+
+    before = _served(replicas)
+    with ThreadPoolExecutor(16) as pool:
+        results = pool.map(one, range(16))
+        started: dict[str, int] = {}
+        while sum(started.values()) < 16:  # every request has its first tokens
+            now = _served(replicas)
+            started = {r: now[r] - before.get(r, 0) for r in now}
+        assert len([n for n in started.values() if n]) == 2, started  # each replica runs some
+        os.kill(pids[0], signal.SIGKILL)
+        outcomes = list(results)  # every request answered: none hangs
+    assert all(o == "503" or o.startswith(DOCUMENTED) for o in outcomes), outcomes
+    assert "503" in outcomes and any(o != "503" for o in outcomes)  # the dead replica's requests, the other's
+    assert _complete(replicas) == DOCUMENTED  # the other replica (and Ray's replacement) go on serving
+
+
+def test_requests_sharing_a_long_prefix_land_on_one_replica(replicas: Server) -> None:
+    prefix = "Once upon a time" + DOCUMENTED  # 45 tokens: past the 32 the router keys on
+    before = _served(replicas)
+    with ThreadPoolExecutor(10) as pool:
+        texts = list(pool.map(lambda i: _client(replicas).completions.create(
+            model="stories", prompt=f"{prefix} Then {i}", max_tokens=4, temperature=0).choices[0].text, range(10)))
+    assert all(texts)
+    after = _served(replicas)
+    counts = {r: after[r] - before.get(r, 0) for r in after if after[r] != before.get(r, 0)}
+    assert list(counts.values()) == [10], counts  # all ten on the replica holding the prefix
+
+
+def test_sigterm_drains_and_exits_0(replicas: Server) -> None:
+    replicas.proc.send_signal(signal.SIGTERM)
+    assert replicas.proc.wait(120) == 0, replicas.output()
+
