@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -95,7 +96,10 @@ def test_a_dead_replica_fails_its_requests_with_503_and_the_service_recovers(rep
     with ThreadPoolExecutor(16) as pool:
         results = pool.map(one, range(16))
         started: dict[str, int] = {}
+        deadline = time.monotonic() + 120  # bounded: a regression fails here instead of hanging CI
         while sum(started.values()) < 16:  # every request has its first tokens
+            assert time.monotonic() < deadline, f"16 requests never all started: {started}"
+            time.sleep(0.05)
             now = _served(replicas)
             started = {r: now[r] - before.get(r, 0) for r in now}
         assert len([n for n in started.values() if n]) == 2, started  # each replica runs some
