@@ -353,3 +353,13 @@ def test_tensor_parallel_2_gives_the_greedy_reference(tmp_path: Path) -> None:
     assert out.returncode == 0, "\n".join(causes[:20]) or out.stderr[-3000:]
     assert "TP 2 mp" in out.stdout
     assert f"TOKENS {GREEDY_40}" in out.stdout
+
+
+def test_a_lora_request_on_an_engine_started_without_lora_is_refused_by_the_setting(llm: LLM, tmp_path: Path) -> None:
+    from lmdock import LoRARequest, UnsupportedError
+    from lmdock_conformance._models import lora_adapter
+
+    lora = LoRARequest("sql", lora_adapter(model(), tmp_path / "sql", seed=1))
+    with pytest.raises(UnsupportedError, match=r"started without LoRA.*max_loras"):  # vLLM's enable_lora is fixed at start
+        llm.generate("Once upon a time", {"max_new_tokens": 2}, lora_request=lora)
+    assert llm.generate("Once upon a time", {"max_new_tokens": 2})[0].outputs[0].token_ids
