@@ -106,7 +106,9 @@ def lora_kwargs(mc: ModelConfig, cpu: bool) -> dict[str, Any]:
     b = mc.build
     if not (mc.adapters or b.max_loras is not None or b.max_lora_rank is not None):
         return {}
-    max_loras = b.max_loras + 1 if cpu and b.max_loras is not None else (2 if cpu else None)
+    max_loras = b.max_loras
+    if cpu:  # the zero adapter's slot, beside vLLM's default of 1
+        max_loras = (max_loras or 1) + 1
     return {"enable_lora": True, "max_loras": max_loras, "max_lora_rank": b.max_lora_rank}
 
 
