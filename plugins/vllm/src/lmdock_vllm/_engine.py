@@ -28,9 +28,9 @@ import queue
 import shutil
 import tempfile
 import threading
-from pathlib import Path
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from lmdock import BackendError, EngineClosedError, LmdockError, ModelConfig, RequestError, UnsupportedError
@@ -45,11 +45,11 @@ from lmdock.backend import (
     safe_put,
 )
 
+from lmdock_vllm import is_cpu_build
 from lmdock_vllm._beam import BeamRequest, BeamSearches
 from lmdock_vllm._build import build_engine, eos_ids, shutdown
-from lmdock_vllm import is_cpu_build
-from lmdock_vllm._lora import BaseUnderZeroAdapter, model_folder, write_zero_adapter
 from lmdock_vllm._convert import completion, logprobs, lora_request, sampling_params
+from lmdock_vllm._lora import BaseUnderZeroAdapter, model_folder, write_zero_adapter
 from lmdock_vllm._process import IN_PROCESS, bind_cpu_ranks, check_main_guard, in_process, refuse_second_in_process
 from lmdock_vllm._queries import NextTokenQueries, settle
 from lmdock_vllm._stats import Stats
