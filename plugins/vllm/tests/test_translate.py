@@ -164,3 +164,35 @@ def test_cross_encoder_segments_take_vllms_compressed_form() -> None:
     assert _segments([0, 0, 0, 1, 1]) == {"compressed_token_type_ids": 3}  # the second starts at 3
     with pytest.raises(UnsupportedError, match="one pair of segments"):
         _segments([0, 1, 0, 1])
+
+
+def test_lora_starts_with_the_engine_only_where_the_config_asks_for_adapters() -> None:
+    from vllm import EngineArgs
+
+    assert "enable_lora" not in engine_kwargs(_mc(), cpu=True)  # vLLM's LoRA slots and kernels cost on every step
+    on = engine_kwargs(_mc(build={"max_loras": 3, "max_lora_rank": 8}), cpu=False)
+    assert (on["enable_lora"], on["max_loras"], on["max_lora_rank"]) == (True, 3, 8)
+    args = EngineArgs(**{**on, "model": str(Path(os.environ["LMDOCK_MODELS"]) / "stories260K-hd32")})  # a local folder
+    assert (args.enable_lora, args.max_loras, args.max_lora_rank) == (True, 3, 8)
+    assert engine_kwargs(_mc(build={"max_loras": 3}), cpu=True)["max_loras"] == 4  # one slot for the zero adapter (_lora.py)
+    declared = engine_kwargs(_mc(adapters={"sql": "/adapters/sql"}), cpu=False)
+    assert declared["enable_lora"] is True and "max_loras" not in declared  # vLLM's default
+    assert engine_kwargs(_mc(adapters={"sql": "/adapters/sql"}), cpu=True)["max_loras"] == 2  # vLLM's 1, and the zero adapter
+
+
+def test_each_adapter_keeps_one_vllm_id() -> None:
+    from lmdock import LoRARequest, RequestError
+    from lmdock_vllm._convert import lora_request
+    from lmdock_vllm._translate import LoRAIds
+
+    ids = LoRAIds()
+    a, b = LoRARequest("a", "/adapters/a"), LoRARequest("b", "/adapters/b")
+    assert (ids.of(a), ids.of(b), ids.of(a)) == (1, 2, 1)
+    assert ids.of(LoRARequest("c", "/adapters/c", int_id=7)) == 7
+    assert ids.of(LoRARequest("d", "/adapters/d")) == 3
+    with pytest.raises(RequestError, match="lora_int_id 7 already names another adapter"):
+        ids.of(LoRARequest("e", "/adapters/e", int_id=7))  # vLLM would run e under c's weights
+    with pytest.raises(RequestError, match="lora_int_id 9"):
+        ids.of(LoRARequest("a", "/adapters/a", int_id=9))  # a already runs as 1
+    vllm_lora = lora_request(b, ids.of(b))
+    assert (vllm_lora.lora_name, vllm_lora.lora_int_id, vllm_lora.lora_path) == ("b", 2, "/adapters/b")

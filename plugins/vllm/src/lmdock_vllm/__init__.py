@@ -79,11 +79,10 @@ SPEC = BackendSpec(
     plugin_api="1.0",
     supports=frozenset(
         {"generate", "chat", "stream", "sampling", "logit_bias", "logprobs", "prompt_logprobs", "structured_output", "tools", "quantization",
-         "next_token_logprobs", "beam_search", "embed", "score"}
+         "next_token_logprobs", "beam_search", "embed", "score", "lora"}
     ),
     lacks={
         "offload": "no portable mapping: pass backends.vllm.engine_args = {cpu_offload_gb = N} for vLLM's weight offload to RAM",
-        "lora": "not wired yet: vLLM's LoRARequest is not passed through (issue 33)",
     },
     requires=("vllm",),
     engine_packages=tuple(BUILDS),  # whichever build is installed, each with its own tested range

@@ -30,6 +30,13 @@ def sampling_params(kwargs: dict[str, Any]) -> Any:
         raise RequestError(f"vLLM refused the sampling parameters: {exc}") from None
 
 
+def lora_request(lora: Any, int_id: int) -> Any:
+    """``vllm.lora.request.LoRARequest`` for an lmdock LoRARequest, under vLLM's adapter id ``int_id``."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora.name, int_id, lora.path)
+
+
 def one_token_params(logprobs: int) -> Any:
     """One greedy token with ``logprobs`` logprobs (-1: the whole vocabulary), token ids only, final
     output only: a next-token query, or one beam's step."""

