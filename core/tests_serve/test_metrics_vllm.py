@@ -47,8 +47,10 @@ def test_the_gateways_gauges_under_vllm_names(vllm_names: Server) -> None:
         assert metrics["vllm:gpu_cache_usage_perc"][1][0].value == metrics["vllm:kv_cache_usage_perc"][1][0].value
         assert 0.0 <= metrics["vllm:kv_cache_usage_perc"][1][0].value <= 1.0
         (lora,) = metrics["vllm:lora_requests_info"][1]
-        # stories260K has no adapters: empty lists, max 0; the value is the time it was read (positive)
-        assert lora.labels == {"model_name": "stories", "running_lora_adapters": "", "waiting_lora_adapters": "", "max_lora": "0"}
+        # no request runs under an adapter: empty lists; max_lora is the engine's (lmdock-hf's max_loras,
+        # 8 by default), as lmdock's own series says; the value is the time it was read (positive)
+        assert lora.labels == {"model_name": "stories", "running_lora_adapters": "", "waiting_lora_adapters": "", "max_lora": "8"}
+        assert lora.labels == metrics["lmdock:lora_requests_info"][1][0].labels
         assert lora.value > 0
     assert after["vllm:num_requests_running"][1][0].value == 0  # the finished request no longer counts
     assert after["vllm:num_requests_waiting"][1][0].value == 0

@@ -60,13 +60,8 @@ class _EngineCollector:
             for model, s in per_model.items():
                 g.add_metric([model], float(s.get(key, 0) or 0))
             yield g
-        lora = GaugeMetricFamily("lmdock:lora_requests_info", "LoRA adapters of running and waiting requests (vLLM's "
-                                 "lora_requests_info, for adapter-aware routers); the value is the scrape's Unix time.",
-                                 labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
-        for model, s in per_model.items():
-            if "running_lora_adapters" in s:  # a step engine's loop reports them
-                lora.add_metric([model, s["running_lora_adapters"], s["waiting_lora_adapters"], str(s.get("max_lora", 0))], time.time())
-        yield lora
+        yield _lora_info("lmdock:lora_requests_info", "LoRA adapters of running and waiting requests (vLLM's lora_requests_info, "
+                         "for adapter-aware routers); the value is the scrape's Unix time.", per_model, every_model=False)
         c = CounterMetricFamily("lmdock:num_preemptions", "Preemptions by the scheduler.", labels=["model_name"])
         for model, s in per_model.items():
             c.add_metric([model], float(s.get("num_preemptions_total", 0) or 0))
@@ -84,13 +79,21 @@ def _vllm_gauges(per_model: dict[str, dict[str, Any]]) -> Iterable[Any]:
             for model, s in per_model.items():
                 g.add_metric([model], float(s.get(key, 0) or 0))
             yield g
-    lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters running and waiting; the value is when it was read.",
-                             labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+    yield _lora_info("vllm:lora_requests_info", "LoRA adapters running and waiting; the value is when it was read.",
+                     per_model, every_model=True)
+
+
+def _lora_info(name: str, doc: str, per_model: dict[str, dict[str, Any]], *, every_model: bool) -> Any:
+    """The ``lora_requests_info`` gauge: per model, the adapters of running and waiting requests (the
+    engine's comma-separated ``running_lora_adapters`` / ``waiting_lora_adapters``) and ``max_lora``;
+    ``every_model``: a series (empty, 0) for an engine that reports none too, as the gateway reads it."""
+    g = GaugeMetricFamily(name, doc, labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
     now = time.time()
     for model, s in per_model.items():
-        lora.add_metric([model, ",".join(s.get("running_lora_adapters") or ()), ",".join(s.get("waiting_lora_adapters") or ()),
-                         str(int(s.get("max_lora", 0) or 0))], now)
-    yield lora
+        if every_model or "running_lora_adapters" in s:  # a step engine's loop reports them
+            g.add_metric([model, str(s.get("running_lora_adapters") or ""), str(s.get("waiting_lora_adapters") or ""),
+                          str(int(s.get("max_lora", 0) or 0))], now)
+    return g
 
 
 class _PoolCollector:
