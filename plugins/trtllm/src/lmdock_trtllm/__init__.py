@@ -55,7 +55,8 @@ SPEC = BackendSpec(
         "embed": "TensorRT-LLM's LLM API serves causal LMs",
         "score": "TensorRT-LLM's LLM API serves causal LMs",
         "offload": "use kv_cache.cpu_space_gib for host KV offload; weights stay on the GPUs",
-        "lora": "not wired yet: TensorRT-LLM's LoRARequest is not passed through (issue 33)",
+        "lora": "not wired: the recorded TensorRT-LLM API contract (../shared/api-contracts) names lora_request, enable_lora "
+                "and lora_config but not LoRARequest's or LoraConfig's fields, so a translation could not be checked here",
     },
     requires=("tensorrt_llm",),
     engine_packages=("tensorrt-llm",),
