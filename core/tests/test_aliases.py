@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -238,14 +239,34 @@ def test_futures_are_awaitable_and_stream_when_asked(fake: Any) -> None:
 
 
 def test_leaving_a_stream_early_aborts_it(fake: Any) -> None:
+    # The engine is held after a few tokens, so the request cannot finish before the abort lands
+    # (with a free-running fake it could finish all 200 tokens first, and the test would race).
+    from fakes import FakeStepEngine
+
+    gate = threading.Event()
+
+    def held(engine: FakeStepEngine) -> FakeStepEngine:
+        table = engine.table
+        engine.logits_fn = lambda toks: (gate.wait(10) if len(toks) > 6 else None, table[toks[-1]].copy())[1]
+        return engine
+
+    fake.factory = lambda: held(FakeStepEngine())
     with LLM("m", backend="fake") as llm:
         async def first() -> Any:
             fut = llm.generate_async("abc", SamplingParams(max_new_tokens=200, ignore_eos=True), streaming=True)
             async for _ in fut:
                 break
+            # leaving the loop drops the generator; its finalizer closes it on this loop
+            for _ in range(100):
+                if fut.done():
+                    break
+                await asyncio.sleep(0.01)
             return fut
 
-        fut = asyncio.run(first())
+        try:
+            fut = asyncio.run(first())
+        finally:
+            gate.set()
         assert fut.cancelled()
 
 
