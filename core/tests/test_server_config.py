@@ -44,6 +44,10 @@ def test_values_are_read(isolated: Path) -> None:
     ("max_loaded_models = 0", "server.max_loaded_models"),
     ("metric_names = 'prometheus'", "server.metric_names"),
     ("replicas = 0", "server.replicas"),
+    ("replicas = 2\nautoscaling = { max = 3 }", "server.autoscaling"),
+    ("autoscaling = { min = 1 }", "server.autoscaling"),
+    ("autoscaling = { max = 2, target_ongoing_requests = 0 }", "server.autoscaling.target_ongoing_requests"),
+    ("ray_actor_options = { num_cpu = 1 }", "server.ray_actor_options"),
 ])
 def test_mistakes_name_the_key(isolated: Path, text: str, key: str) -> None:
     with pytest.raises(ConfigError) as exc:
@@ -64,6 +68,42 @@ def test_a_models_pool_keys_are_read_and_checked(isolated: Path) -> None:
         with pytest.raises(ConfigError) as exc:
             load_config(path)
         assert exc.value.key == key, bad
+
+
+def test_replica_keys_are_read_per_model_over_the_server_table(isolated: Path) -> None:
+    from lmdock._replicas import replica_plan
+
+    path = isolated / "lmdock.toml"
+    path.write_text('[server]\nreplicas = 3\nray_actor_options = { num_cpus = 0.5 }\n'
+                    '[models.a]\nmodel = "org/a"\nautoscaling = { min = 1, max = 4, target_ongoing_requests = 2 }\n'
+                    'ray_actor_options = { num_gpus = 1 }\n[models.b]\nmodel = "org/b"\nreplicas = 2\n[models.c]\nmodel = "org/c"\n')
+    cfg = load_config(path)
+    a, b, c = (replica_plan(cfg.models[n], cfg.server, None) for n in "abc")
+    assert a.autoscaling == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 2} and a.num_replicas is None
+    assert a.actor_options == {"num_cpus": 0.5, "num_gpus": 1} and a.cpus == 2.0
+    assert (b.num_replicas, b.autoscaling, b.actor_options) == (2, None, {"num_cpus": 0.5})
+    assert (c.num_replicas, c.on_ray) == (3, True)  # [server]'s count
+    over = replica_plan(cfg.models["a"], cfg.server, 1)  # --replicas 1 over everything: no Ray
+    assert (over.num_replicas, over.autoscaling, over.on_ray) == (1, None, False)
+    for bad, key in (("replicas = 2\nautoscaling = { max = 2 }", "models.m.autoscaling"),
+                     ("autoscaling = { min = 3, max = 2 }", "models.m.autoscaling"),
+                     ("autoscaling = { min = 1, min_replicas = 1, max = 2 }", "models.m.autoscaling"),
+                     ("ray_actor_options = { num_gpus = -1 }", "models.m.ray_actor_options.num_gpus"),
+                     ("replicas = 0", "models.m.replicas")):
+        path.write_text(f"{MODEL}{bad}\n")
+        with pytest.raises(ConfigError) as exc:
+            load_config(path)
+        assert exc.value.key == key, bad
+    jsonschema.validate({"models": {"m": {"model": "x", "replicas": 2, "ray_actor_options": {"num_cpus": 1}}}}, config_schema())
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"models": {"m": {"model": "x", "autoscaling": {"maxx": 2}}}}, config_schema())
+
+
+def test_replica_keys_belong_to_the_server_not_to_an_llm(isolated: Path) -> None:
+    from lmdock import LLM
+
+    with pytest.raises(ConfigError, match="replicas: Ray Serve replicas are lmdock serve's"):
+        LLM("org/a", replicas=2)
 
 
 def test_schema_has_the_server_table(isolated: Path) -> None:

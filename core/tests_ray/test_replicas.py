@@ -78,6 +78,17 @@ def test_40_concurrent_requests_all_succeed_on_both_replicas(replicas: Server) -
     assert len([c for c in counts.values() if c > 0]) == 2, counts  # both replicas served some
 
 
+def test_metrics_label_each_replica_and_the_front_end_holds_no_model(replicas: Server) -> None:
+    text = httpx.get(f"{replicas.url}/metrics", timeout=10).text
+    served = {line.split('replica="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+              for line in text.splitlines() if line.startswith('lmdock:replica_requests_total{model_name="stories"')}
+    assert served == {r: float(n) for r, n in _served(replicas).items()} and len(served) == 2, served
+    assert 'lmdock:replica_kv_cache_usage_perc{model_name="stories",replica=' in text
+    assert 'lmdock:num_requests_running{model_name="stories"} 0.0' in text  # the sum over the replicas, all idle
+    # the model (torch and its weights) is loaded in the replicas only: the front end has the tokenizer
+    assert "libtorch" not in (Path("/proc") / str(replicas.proc.pid) / "maps").read_text()
+
+
 def test_a_dead_replica_fails_its_requests_with_503_and_the_service_recovers(replicas: Server) -> None:
     pids = _replica_pids(replicas.proc.pid)
     assert len(pids) == 2, pids

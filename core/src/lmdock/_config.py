@@ -19,6 +19,7 @@ from typing import Any
 
 from lmdock._errors import ConfigError
 from lmdock._params import (
+    AUTOSCALING_KEYS,
     BuildConfig,
     KvCacheConfig,
     ModelConfig,
@@ -43,7 +44,10 @@ SECTIONS: dict[str, type] = {
     "pooling": PoolingParams,
 }
 _MODEL_KEYS = {"model", "backend", "fallback", "tokenizer", "revision", "trust_remote_code", "sampling", "backends",
-               "keep_alive", "pin", "preload", "tool_parser", "reasoning_parser", "adapters"}
+               "keep_alive", "pin", "preload", "tool_parser", "reasoning_parser", "adapters", "replicas", "autoscaling",
+               "ray_actor_options"}
+#: the keys only ``lmdock serve`` reads (Ray Serve replicas): ``LLM`` runs one engine in its process
+SERVE_ONLY_KEYS = ("replicas", "autoscaling", "ray_actor_options")
 
 
 @dataclass
@@ -158,6 +162,9 @@ def model_config(
     for bname, opts in backends.items():
         coerce(opts, dict[str, Any], key(f"backends.{bname}"), source)
     kwargs["backends"] = backends
+    kwargs["replicas"] = coerce(entry.get("replicas"), int | None, key("replicas"), source)
+    for opt in ("autoscaling", "ray_actor_options"):
+        kwargs[opt] = coerce(entry.get(opt), dict[str, Any] | None, key(opt), source)
     adapters = coerce(entry.get("adapters", {}), dict[str, str], key("adapters"), source)
     kwargs["adapters"] = {n: _adapter_path(p, base_dir) for n, p in adapters.items()}
     try:
@@ -233,6 +240,27 @@ def _substitute(value: Any, source: str, key: str) -> Any:
     return _VAR.sub(repl, value)
 
 
+def _replica_props() -> dict[str, Any]:
+    """The schema of the keys that run a model as Ray Serve replicas (``lmdock serve``, ``server/_ray.py``)."""
+    number = {"type": "number", "minimum": 0}
+    return {
+        "replicas": {"type": "integer", "minimum": 1, "description": "lmdock serve: the engine as this many Ray Serve replicas"},
+        "autoscaling": {"type": "object", "additionalProperties": False, "required": [],
+                        "properties": {k: number for k in ("min", "max", *AUTOSCALING_KEYS)},
+                        "description": "lmdock serve: Ray Serve's autoscaler between min and max replicas"},
+        "ray_actor_options": {"type": "object", "additionalProperties": False,
+                              "properties": {"num_cpus": number, "num_gpus": number, "memory": {"type": "integer", "minimum": 1},
+                                             "resources": {"type": "object", "additionalProperties": number},
+                                             "accelerator_type": {"type": "string"}},
+                              "description": "lmdock serve: each replica's resources (num_cpus 1 unless given)"},
+    }
+
+
+def _with(schema: dict[str, Any], props: dict[str, Any]) -> dict[str, Any]:
+    schema["properties"].update(props)
+    return schema
+
+
 def config_schema(backend_options: dict[str, type] | None = None) -> dict[str, Any]:
     """JSON Schema of the config file, with the options of the given backends."""
     model_props: dict[str, Any] = {
@@ -252,6 +280,7 @@ def config_schema(backend_options: dict[str, type] | None = None) -> dict[str, A
         "adapters": {"type": "object", "additionalProperties": {"type": "string"},
                      "description": "LoRA adapters by name: PEFT folders (relative to this file); lora_request='NAME'"},
     }
+    model_props.update(_replica_props())
     for section, cls in SECTIONS.items():
         model_props[section] = json_schema(cls)
     backends = {name: json_schema(cls) for name, cls in (backend_options or {}).items()}
@@ -263,7 +292,7 @@ def config_schema(backend_options: dict[str, type] | None = None) -> dict[str, A
         "additionalProperties": False,
         "properties": {
             "default_model": {"type": "string"},
-            "server": json_schema(ServerConfig),
+            "server": _with(json_schema(ServerConfig), _replica_props()),
             "models": {
                 "type": "object",
                 "additionalProperties": {

@@ -13,9 +13,10 @@ import time
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmdock._aliases import constructor_options
+from lmdock._config import SERVE_ONLY_KEYS
 from lmdock._contract import EngineRequest, RequestEngine
 from lmdock._errors import ConfigError, EngineClosedError, QueueFullError, RequestError, UnsupportedError
 from lmdock._loader import load_engine, resolve_model
@@ -27,6 +28,10 @@ from lmdock._progress import Progress
 from lmdock._prompts import Prompt, as_batch, as_prompt, content_as, indexed, indexed_error, token_id_prompts, truncated
 from lmdock._schema import build, resolve_aliases
 from lmdock._sinks import AsyncQueueSink, QueueSink, RequestFuture
+
+if TYPE_CHECKING:
+    from lmdock._contract import BackendSpec
+    from lmdock._params import ModelConfig
 
 #: Sampling parameters as a call takes them: complete params, overrides of the defaults, or None.
 ParamsArg = SamplingParams | dict[str, Any] | None
@@ -71,12 +76,31 @@ class LLM:
         config: str | os.PathLike[str] | None = None,
         **options: Any,
     ) -> None:
+        self._setup(model, backend, config, options, load_engine)
+
+    @classmethod
+    def over_engine(cls, model: str | os.PathLike[str] | None,
+                    engine: Callable[[ModelConfig], tuple[RequestEngine, BackendSpec]],
+                    backend: str | None = None, config: str | os.PathLike[str] | None = None, **options: Any) -> LLM:
+        """An ``LLM`` whose engine ``engine(model_config)`` gives in place of a backend loading one here:
+        ``lmdock serve --replicas`` gives its front end the replicas' engine so, the model loaded only
+        in the replicas (``server/_ray.py``)."""
+        llm = cls.__new__(cls)
+        llm._setup(model, backend, config, options, engine)
+        return llm
+
+    def _setup(self, model: str | os.PathLike[str] | None, backend: str | None, config: str | os.PathLike[str] | None,
+               options: dict[str, Any], load: Callable[[ModelConfig], tuple[RequestEngine, BackendSpec]]) -> None:
         self._engine: RequestEngine | None = None
         model, options, after = constructor_options(model, options)
+        serve_only = [k for k in SERVE_ONLY_KEYS if k in options]
+        if serve_only:
+            raise ConfigError(f"{', '.join(serve_only)}: Ray Serve replicas are lmdock serve's (--replicas, or these keys "
+                              "in the config file, docs/scale-out.md); an LLM runs one engine in this process")
         if backend is not None:
             options["backend"] = backend
         self.model_config = resolve_model(model, config, options)
-        self._engine, self.backend = load_engine(self.model_config)
+        self._engine, self.backend = load(self.model_config)
         _live.add(self)
         self.tokenizer = self._engine.tokenizer
         self.max_model_len = self._engine.max_seq_len
@@ -91,11 +115,6 @@ class LLM:
         _live.discard(self)
         if engine is not None:
             engine.close()
-
-    def wrap_engine(self, wrap: Callable[[RequestEngine], RequestEngine]) -> None:
-        """Put ``wrap(engine)`` in the engine's place: every request goes through it, and shutdown closes
-        it.  ``lmdock serve --replicas`` uses it to send requests to Ray Serve replicas."""
-        self._engine = wrap(self.engine)
 
     def __enter__(self) -> LLM:
         return self

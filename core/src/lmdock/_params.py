@@ -36,6 +36,53 @@ def _int(name: str, value: Any, lo: int, *, optional: bool = True) -> None:
     check(value >= lo, name, f"must be >= {lo}, got {value!r}")
 
 
+#: Ray Serve's ``autoscaling_config`` keys that ``autoscaling`` takes (``min`` and ``max`` are short for
+#: ``min_replicas`` and ``max_replicas``), and its ``ray_actor_options`` keys that ``ray_actor_options`` takes
+AUTOSCALING_KEYS = ("min_replicas", "max_replicas", "initial_replicas", "target_ongoing_requests", "upscale_delay_s",
+                    "downscale_delay_s")
+ACTOR_KEYS = ("num_cpus", "num_gpus", "memory", "resources", "accelerator_type")
+
+
+def replica_tables(replicas: int | None, autoscaling: dict[str, Any] | None,
+                   actor: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Check a table's ``replicas``, ``autoscaling`` and ``ray_actor_options`` (``lmdock serve`` on Ray
+    Serve, ``server/_ray.py``); return ``autoscaling`` with ``min`` / ``max`` spelt as Ray does."""
+    _int("replicas", replicas, 1)
+    for key, value in (actor or {}).items():
+        check(key in ACTOR_KEYS, "ray_actor_options", f"unknown key {key!r}; known: {', '.join(ACTOR_KEYS)}")
+        if key in ("num_cpus", "num_gpus"):
+            check(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0, f"ray_actor_options.{key}",
+                  f"must be a number >= 0, got {value!r}")
+        elif key == "memory":
+            _int("ray_actor_options.memory", value, 1, optional=False)
+        elif key == "resources":
+            check(isinstance(value, dict) and all(isinstance(v, (int, float)) and v >= 0 for v in value.values()),
+                  "ray_actor_options.resources", f"must be a table of custom resource amounts, got {value!r}")
+        else:
+            check(isinstance(value, str) and bool(value), "ray_actor_options.accelerator_type",
+                  f"must be a Ray accelerator type such as 'A100', got {value!r}")
+    if autoscaling is None:
+        return None
+    check(replicas is None, "autoscaling", "give replicas (a fixed count) or autoscaling, not both")
+    table = {}
+    for key, value in autoscaling.items():
+        full = {"min": "min_replicas", "max": "max_replicas"}.get(key, key)
+        check(full in AUTOSCALING_KEYS, "autoscaling", f"unknown key {key!r}; known: min, max, {', '.join(AUTOSCALING_KEYS)}")
+        check(full not in table, "autoscaling", f"{key!r} and {full!r} say the same; give one")
+        table[full] = value
+    for key in ("min_replicas", "max_replicas", "initial_replicas"):
+        _int(f"autoscaling.{key}", table.get(key), 0 if key != "max_replicas" else 1)
+    check("max_replicas" in table, "autoscaling", "needs max (the most replicas to scale to)")
+    check(table.get("min_replicas", 1) <= table["max_replicas"], "autoscaling",
+          f"min ({table.get('min_replicas')}) is above max ({table['max_replicas']})")
+    for key in ("target_ongoing_requests", "upscale_delay_s", "downscale_delay_s"):
+        value = table.get(key)
+        check(value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0),
+              f"autoscaling.{key}", f"must be a number >= 0, got {value!r}")
+    check(table.get("target_ongoing_requests", 1) > 0, "autoscaling.target_ongoing_requests", "must be > 0")
+    return table
+
+
 class _Replaceable:
     def replace(self, **changes: Any) -> Any:
         """Return a copy with ``changes`` applied (and validated)."""
@@ -557,8 +604,12 @@ class ServerConfig(_Replaceable):
     keep_alive_timeout: float = 5.0
     max_connections: int = 512
     metric_names: Literal["lmdock", "vllm"] = "lmdock"
-    #: each model's engine as this many Ray Serve replicas behind the one server (1: no Ray; ``server/_ray.py``)
+    #: each model's engine as this many Ray Serve replicas behind the one server (1: no Ray; ``server/_ray.py``),
+    #: or as many as Ray Serve's autoscaler keeps between ``autoscaling``'s min and max; each replica an actor
+    #: with ``ray_actor_options`` (``num_cpus`` 1 unless given).  A model's own keys win over these.
     replicas: int = 1
+    autoscaling: dict[str, Any] | None = None
+    ray_actor_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins or ()))
@@ -582,6 +633,8 @@ class ServerConfig(_Replaceable):
         _range("shutdown_timeout", self.shutdown_timeout, 0.0)
         check(self.api_key is None or self.api_key != "", "api_key", "is empty; remove it or give a key")
         _int("replicas", self.replicas, 1, optional=False)
+        object.__setattr__(self, "autoscaling", replica_tables(None if self.replicas == 1 else self.replicas,
+                                                               self.autoscaling, self.ray_actor_options))
         check(self.metric_names in ("lmdock", "vllm"), "metric_names",
               f"must be 'lmdock' (lmdock: names only) or 'vllm' (also vLLM's vllm: names), got {self.metric_names!r}")
 
@@ -616,6 +669,10 @@ class ModelConfig:
     preload: bool = False
     #: ``[models.NAME.adapters]``: LoRA adapter folders by name, which ``lora_request="NAME"`` names
     adapters: dict[str, str] = field(default_factory=dict)
+    #: for ``lmdock serve``: this model's engine as Ray Serve replicas (over ``[server]``'s keys of these names)
+    replicas: int | None = None
+    autoscaling: dict[str, Any] | None = None
+    ray_actor_options: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         check(bool(self.model), "model", "must be a local path or a hub id")
@@ -624,6 +681,7 @@ class ModelConfig:
                   f"an adapter name is letters, digits, '.', '_' and '-' (a server serves it as MODEL:ADAPTER), got {adapter!r}")
         check(self.keep_alive == -1 or self.keep_alive >= 0, "keep_alive",
               f"must be seconds >= 0, or -1 (never unload), got {self.keep_alive!r}")
+        object.__setattr__(self, "autoscaling", replica_tables(self.replicas, self.autoscaling, self.ray_actor_options))
 
     def backend_options(self, backend: str) -> dict[str, Any]:
         """The raw ``[models.NAME.backends.BACKEND]`` table (validated by that backend)."""

@@ -12,6 +12,10 @@ model server (its model-server protocol): ``vllm:num_requests_waiting``, ``vllm:
 ``vllm:kv_cache_usage_perc`` and its older name ``vllm:gpu_cache_usage_perc``, and
 ``vllm:lora_requests_info``, whose labels name the adapters running and waiting and the most the engine
 holds at once, and whose value is the time it was read (the picker keeps the newest series).
+
+A model served by Ray Serve replicas (``lmdock serve --replicas``) reports the gauges summed over its
+replicas (KV-cache usage: their mean), and each replica's under ``lmdock:replica_*`` with a ``replica``
+label, with ``lmdock:replica_requests_total``.
 """
 
 from __future__ import annotations
@@ -66,8 +70,28 @@ class _EngineCollector:
         for model, s in per_model.items():
             c.add_metric([model], float(s.get("num_preemptions_total", 0) or 0))
         yield c
+        yield from _replica_series(per_model)
         if self._vllm_names:
             yield from _vllm_gauges(per_model)
+
+
+def _replica_series(per_model: dict[str, dict[str, Any]]) -> Iterable[Any]:
+    """Per Ray Serve replica of a model served by replicas (``server/_ray.py``; its stats' ``replicas``):
+    the gauges it reports, labelled by replica, and the requests it has served."""
+    rows = [(model, replica, s) for model, stats in per_model.items() for replica, s in (stats.get("replicas") or {}).items()]
+    if not rows:
+        return
+    for key in ("num_requests_running", "kv_cache_usage_perc", "num_sequences_held"):
+        g = GaugeMetricFamily(f"lmdock:replica_{key}", f"{_GAUGES[key]} One Ray Serve replica's (lmdock serve --replicas).",
+                              labels=["model_name", "replica"])
+        for model, replica, s in rows:
+            if key in s:
+                g.add_metric([model, replica], float(s[key]))
+        yield g
+    c = CounterMetricFamily("lmdock:replica_requests", "Requests each Ray Serve replica has served.", labels=["model_name", "replica"])
+    for model, replica, s in rows:
+        c.add_metric([model, replica], float(s.get("requests_total", 0)))
+    yield c
 
 
 def _vllm_gauges(per_model: dict[str, dict[str, Any]]) -> Iterable[Any]:

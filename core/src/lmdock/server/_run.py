@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
@@ -21,9 +20,11 @@ import uvicorn
 from lmdock._config import ConfigFile, find_config, load_config
 from lmdock._errors import ConfigError
 from lmdock._params import ModelConfig, ServerConfig
+from lmdock._replicas import ReplicaPlan, replica_plan
 from lmdock.server._app import create_app
 from lmdock.server._http import uvicorn_options
 from lmdock.server._pool import ServedModel, queue_limit
+from lmdock.server._ray import replicated, start_ray, stop_ray
 
 log = logging.getLogger("lmdock.server")
 
@@ -180,7 +181,8 @@ def serve(
     before the server listens; the others when a request first names them (``server/_pool.py``, over ``lmdock.ModelPool``).
     ``options``: ``LLM(...)`` options over each model's config entry (vLLM's serve flags);
     ``served_name``: the name clients use for the one model (vLLM's ``--served-model-name``);
-    ``replicas``: each model's engine as that many Ray Serve replicas (over ``[server] replicas``; ``server/_ray.py``)."""
+    ``replicas``: each model's engine as that many Ray Serve replicas (over the config's ``replicas`` and
+    ``autoscaling``; ``server/_ray.py``)."""
     path = find_config(config)
     cfg = load_config(path) if path is not None else None
     settings = cfg.server if cfg is not None else ServerConfig()
@@ -203,9 +205,12 @@ def serve(
         except OSError as exc:
             raise ConfigError(f"cannot read the chat template: {exc.strerror}", source=template) from None
     key = resolve_api_key(settings, api_key)
-    if replicas is not None:
-        settings = dataclasses.replace(settings, replicas=replicas)  # validated as the config's key
-    served = [_served(name, cfg, path, settings, backend, options or {}, template_text, served_name) for name in names]
+    if replicas is not None and (not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1):
+        raise ConfigError(f"replicas must be an integer >= 1, got {replicas!r}")
+    entries = {name: cfg.models.get(name) if cfg is not None else None for name in names}
+    plans = {name: replica_plan(entries[name] or ModelConfig(model=name), settings, replicas) for name in names}
+    served = [_served(name, entries[name], path, plans[name], settings, backend, options or {}, template_text, served_name)
+              for name in names]
     start = [sm for sm, name in zip(served, names) if models or _at_start(name, cfg)]
     limit = settings.max_loaded_models
     if limit is not None and len(start) > limit:
@@ -213,10 +218,9 @@ def serve(
                           f"command line, default_model, pin or preload), more than [server] max_loaded_models = {limit}",
                           source=str(path) if path else None, key="server.max_loaded_models")
     app = create_app(served, settings, key)
-    if settings.replicas > 1:  # the replicas are deployed as their models load (server/_ray.py)
-        from lmdock.server._ray import start_ray
-
-        start_ray(settings.replicas)
+    on_ray = [p for p in plans.values() if p.on_ray]
+    if on_ray:  # the replicas are deployed as their models load (server/_ray.py)
+        start_ray(sum(p.cpus for p in on_ray))
     try:
         for sm in start:
             app.state.lmdock.pool.preload(sm)
@@ -242,9 +246,7 @@ def serve(
         server.run()
     finally:
         app.state.lmdock.pool.close()  # every loaded engine shut down
-        if settings.replicas > 1:
-            from lmdock.server._ray import stop_ray
-
+        if on_ray:
             stop_ray()
     return 0
 
@@ -257,18 +259,16 @@ def _at_start(name: str, cfg: ConfigFile | None) -> bool:
     return name == cfg.default_model or mc.pin or mc.preload
 
 
-def _served(name: str, cfg: ConfigFile | None, path: Path | None, settings: ServerConfig, backend: str | None,
-            options: dict[str, Any], template: str | None, served_name: str | None) -> ServedModel:
+def _served(name: str, entry: ModelConfig | None, path: Path | None, plan: ReplicaPlan, settings: ServerConfig,
+            backend: str | None, options: dict[str, Any], template: str | None, served_name: str | None) -> ServedModel:
     """``name`` (a config name, or a path or hub id, which is pinned: it has no entry to say otherwise) as
-    a model to serve, not loaded yet."""
+    a model to serve, not loaded yet; on Ray Serve replicas when ``plan`` says so."""
     from lmdock._llm import LLM
 
-    entry = cfg.models.get(name) if cfg is not None else None
     mc = entry or ModelConfig(model=name)
-    loader: Any = functools.partial(LLM, name, backend=backend, config=path, **options)
-    if settings.replicas > 1:
-        from lmdock.server._ray import replicated
-
-        loader = replicated(loader, served_name or name, settings.replicas)
+    if plan.on_ray:
+        loader: Any = replicated(served_name or name, plan, name, backend=backend, config=path, **options)
+    else:
+        loader = functools.partial(LLM, name, backend=backend, config=path, **options)
     return ServedModel(served_name or name, None, queue_limit(settings, mc), template, loader=loader, root=mc.model,
                        keep_alive=mc.keep_alive, pin=entry is None or mc.pin, adapters=dict(mc.adapters))
