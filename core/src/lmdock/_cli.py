@@ -154,8 +154,8 @@ def _parser() -> Parser:
     sv.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file for /v1/chat/completions")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     sv.add_argument("--replicas", type=_replicas, metavar="N",
-                    help="run each model's engine as N Ray Serve replicas behind this server (default: [server] "
-                         "replicas, 1: no Ray); needs pip install 'lmdock[ray]'")
+                    help="run each model's engine as N Ray Serve replicas behind this server, over the config's "
+                         "replicas / autoscaling (1: no Ray); needs pip install 'lmdock[ray]'")
     sv.set_defaults(func=cmd_serve)
 
     cfg = sub.add_parser("config", help="check the config file or print its JSON Schema")
