@@ -91,11 +91,8 @@ SPEC = BackendSpec(
     kind="step",
     plugin_api="1.0",
     supports=frozenset({"generate", "chat", "stream", "sampling", "logit_bias", "logprobs", "prompt_logprobs", "next_token_logprobs",
-                        "beam_search", "quantization"}),
+                        "beam_search", "quantization", "structured_output", "tools"}),
     lacks={
-        "structured_output": "the core's llguidance stage needs a Hugging Face tokenizer; llama.cpp's own vocabulary is not wired to it yet",
-        "tools": "a forced tool call needs the core's llguidance stage, which is not wired to llama.cpp's vocabulary yet "
-                 "(tool_choice auto reads calls from free text)",
         "embed": "lmdock-llamacpp runs causal LMs; llama.cpp's embedding mode is not wired up yet",
         "score": "lmdock-llamacpp runs causal LMs; llama.cpp's reranking mode is not wired up yet",
         "offload": "no OffloadPolicy: llama.cpp maps the file (use_mmap) and places layers with n_gpu_layers",

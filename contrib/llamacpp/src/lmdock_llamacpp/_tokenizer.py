@@ -11,6 +11,7 @@ the way transformers renders them.
 from __future__ import annotations
 
 import ctypes
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -70,6 +71,16 @@ class GgufTokenizer:
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return [lc.llama_vocab_get_text(self._live(), i).decode("utf-8", errors="replace") for i in ids]
+
+    def llguidance_tokenizer(self, n_vocab: int, eos_token_ids: list[int]) -> Any:
+        """llguidance's view of this vocabulary (llguidance's own llama.cpp reader: each token's piece,
+        control tokens marked special, llama.cpp's tokenizer for forced text): how the core's
+        structured-output stage constrains a GGUF model, which has no Hugging Face tokenizer."""
+        from llguidance.llamacpp import lltokenizer_from_vocab
+
+        with warnings.catch_warnings():  # it calls llama_token_get_attr, which llama-cpp-python deprecates, per token
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return lltokenizer_from_vocab(self._live(), n_vocab=n_vocab, eos_token=eos_token_ids or None)
 
     def _piece(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.decode([token_id])

@@ -5,8 +5,10 @@ engine: called with a request's sampling parameters and ``n``, it returns ``n`` 
 objects (one llguidance matcher per completion) or None when the request has no ``structured_output``.
 
 - The engine's tokenizer is read by llguidance once, on the first structured request (about a second
-  for a 128k vocabulary); it must be a Hugging Face ``tokenizers`` tokenizer, reached as the
-  ``backend_tokenizer`` attribute (transformers' fast tokenizers and the template's tokenizer have it).
+  for a 128k vocabulary): a Hugging Face ``tokenizers`` tokenizer, reached as the ``backend_tokenizer``
+  attribute (transformers' fast tokenizers and the template's tokenizer have it), else llguidance's
+  tokenizer as the tokenizer's own ``llguidance_tokenizer(n_vocab, eos_token_ids)`` makes it
+  (lmdock-llamacpp's GGUF vocabulary, through llguidance's llama.cpp reader).
 - Each distinct grammar is compiled once per factory (that is, per tokenizer) and kept (least recently
   used out past :data:`CACHE_SIZE`); every completion gets a deep copy of the compiled matcher.
 - EOS is allowed exactly where the grammar accepts; the engine's EOS ids are llguidance's EOS tokens.
@@ -132,10 +134,17 @@ class ConstraintFactory:
     def _build_tokenizer(self) -> Any:
         llg = _llguidance()
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        own = getattr(self.tokenizer, "llguidance_tokenizer", None)
+        if (backend is None or not hasattr(backend, "to_str")) and callable(own):
+            try:
+                return own(self.vocab_size, list(self.eos_token_ids))
+            except Exception as exc:
+                raise RequestError(f"structured_output: llguidance cannot read this engine's vocabulary: {type(exc).__name__}: {exc}") from exc
         if backend is None or not hasattr(backend, "to_str"):
             raise RequestError(
                 f"structured_output: this engine's tokenizer ({type(self.tokenizer).__name__}) has no Hugging Face "
-                "`tokenizers` backend (a `backend_tokenizer` attribute), which llguidance reads the vocabulary from"
+                "`tokenizers` backend (a `backend_tokenizer` attribute) nor an `llguidance_tokenizer` method, which "
+                "llguidance reads the vocabulary from"
             )
         backend = copy(backend)
         backend.no_padding()
