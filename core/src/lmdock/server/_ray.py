@@ -162,6 +162,8 @@ class RemoteEngine:
                     if attempt == RETRIES:
                         sink.fail(EngineClosedError(f"model {self.name!r}: {RETRIES + 1} replicas stopped before the "
                                                     f"request started ({type(exc).__name__}); retry later"))
+                    else:
+                        await asyncio.sleep(0.1 * (attempt + 1))  # time for Ray Serve to see the replica gone
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - the replica's own error (a RayTaskError is also its cause's type)
