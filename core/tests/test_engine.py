@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -54,9 +55,23 @@ PROMPTS = ["a", "bb", "cde", "hello world", "xyz", "ab ab", "q", "the cat", "z",
 
 
 def test_batched_equals_alone_greedy_and_seeded(fake: FakePlugin) -> None:
+    # The engine is held while a batch is submitted: requests go in one at a time, and the engine
+    # thread, taking the first ones alone, finished them before the last arrived (2 batches in 300).
+    gate = threading.Event()
+
+    def held() -> FakeStepEngine:
+        engine = FakeStepEngine()
+        table = engine.table
+        engine.logits_fn = lambda toks: (gate.wait(10), table[toks[-1]].copy())[1]
+        return engine
+
+    fake.factory = held
     with LLM("m", backend="fake", scheduler={"max_num_seqs": 16}) as llm:
         for params in (GREEDY, SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_new_tokens=10, ignore_eos=True)):
-            batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+            gate.clear()
+            futures = [llm.generate_async(p, params) for p in PROMPTS]
+            gate.set()
+            batched = [f.result(timeout=30).outputs[0].token_ids for f in futures]
             alone = [llm.generate(p, params)[0].outputs[0].token_ids for p in PROMPTS]
             assert batched == alone
         assert fake.engines[0].max_live == 16  # they really ran together

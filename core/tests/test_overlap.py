@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
@@ -19,34 +19,79 @@ def tok(piece: str) -> int:
     return PIECES.index(piece)
 
 
+class Beside:
+    """One job handed to the helper right before a step: it may start once the step has ``began``,
+    and the step lasts until it is ``done``."""
+
+    def __init__(self) -> None:
+        self.began, self.done = threading.Event(), threading.Event()
+
+
 class TimedEngine(FakeStepEngine):
-    """Steps take 2 ms outside the GIL (a sleep), and say so; decode calls are logged with their
-    thread and time."""
+    """Steps say when they run (``stepping``) and leave the GIL (a 2 ms sleep); decode calls are
+    logged with their thread and whether a step was running.
+
+    A step with a job beside it (``beside``, set by :func:`handing_worker` as the job is handed over)
+    lets the job start once the step has begun and returns once the job is done, instead of sleeping a
+    fixed time: on a correct runner the job then runs inside the step whatever the machine's speed
+    (with a 2 ms step alone, the result hung on the helper thread being scheduled within those 2 ms)."""
 
     overlap_host_work = True
 
     def __init__(self) -> None:
         super().__init__()
-        self.intervals: list[tuple[float, float]] = []
-        self.decodes: list[tuple[str, float]] = []
+        self.stepping = False
+        self.beside: Beside | None = None
+        self.decodes: list[tuple[str, bool]] = []
         engine = self
 
         class Logged(FakeTokenizer):
             def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-                engine.decodes.append((threading.current_thread().name, time.perf_counter()))
+                engine.decodes.append((threading.current_thread().name, engine.stepping))
                 return super().decode(token_ids, skip_special_tokens)
 
         self.tokenizer = Logged()
 
     def step(self, chunks: Sequence[SeqChunk]) -> StepOutput:
-        start = time.perf_counter()
-        time.sleep(0.002)
-        out = super().step(chunks)
-        self.intervals.append((start, time.perf_counter()))
-        return out
+        beside, self.beside = self.beside, None
+        self.stepping = True
+        try:
+            if beside is None:
+                time.sleep(0.002)
+            else:
+                beside.began.set()
+                beside.done.wait(10)
+            return super().step(chunks)
+        finally:
+            self.stepping = False
 
 
-def test_output_work_runs_on_the_helper_while_the_engine_steps(isolated: object) -> None:
+def handing_worker(plugin: FakePlugin) -> type:
+    """The overlap's helper thread, telling the newest engine of ``plugin`` about each job it is handed
+    (``TimedEngine.beside``).  A job waits for its step to begin, at most 10 s once: a runner that ran
+    the job before or after the step, not beside it, fails at once after that."""
+    from lmdock._engine.overlap import HostWorker
+
+    late: list[bool] = []
+
+    class HandingWorker(HostWorker):
+        def start(self, job: Callable[[], None]) -> None:
+            beside = plugin.engines[-1].beside = Beside()
+
+            def run() -> None:
+                try:
+                    if not late and not beside.began.wait(10):
+                        late.append(True)
+                    job()
+                finally:
+                    beside.done.set()
+
+            super().start(run)
+
+    return HandingWorker
+
+
+def test_output_work_runs_on_the_helper_while_the_engine_steps(isolated: object, monkeypatch: pytest.MonkeyPatch) -> None:
     from lmdock import _plugins
 
     inline_plugin = FakePlugin()
@@ -58,15 +103,15 @@ def test_output_work_runs_on_the_helper_while_the_engine_steps(isolated: object)
     _plugins.reset_registry()
     plugin = FakePlugin(factory=TimedEngine)
     _plugins.get_registry().add_plugin(plugin, "fake")
+    monkeypatch.setattr("lmdock._engine.overlap.HostWorker", handing_worker(plugin))
     with LLM("m", backend="fake") as llm:
         outs = llm.generate(prompts, params)
         engine = plugin.engines[0]
     assert [(o.outputs[0].text, o.outputs[0].token_ids) for o in outs] == reference
-    on_helper = [t for name, t in engine.decodes if name == "lmdock-output"]
+    on_helper = [stepping for name, stepping in engine.decodes if name == "lmdock-output"]
     assert on_helper, "no detokenization ran on the helper thread"
-    during = [t for t in on_helper if any(a <= t <= b for a, b in engine.intervals)]
-    # every step after the first has the previous step's text to decode beside it
-    assert len(during) >= len(on_helper) // 2, (len(during), len(on_helper))
+    # every job the helper was handed ran while the engine step beside it computed
+    assert all(on_helper), f"{on_helper.count(False)} of {len(on_helper)} decodes on the helper ran outside an engine step"
 
 
 @pytest.mark.usefixtures("host_overlap")

@@ -76,9 +76,12 @@ class FakePoolingEngine:
         self.batches: list[list[int]] = []
         self.gate = threading.Event()
         self.gate.set()
+        #: set once a batch is in ``embed``: what the runner took off its queue is in that batch
+        self.entered = threading.Event()
         self.closed = False
 
     def embed(self, batch: list[PoolingInput], pooling_type: str) -> list[list[float]]:
+        self.entered.set()
         self.gate.wait(10)
         self.batches.append([len(item.token_ids) for item in batch])
         if any(13 in item.token_ids for item in batch):
@@ -100,8 +103,9 @@ def test_queued_prompts_are_batched_by_length_within_the_budget() -> None:
     runner = _runner(engine)
     engine.gate.clear()  # the first prompt's batch waits; the rest queue behind it
     first = runner.pool(PoolingInput([1]), "MEAN")
-    while not runner._queue.empty():
-        threading.Event().wait(0.01)
+    # the first batch is formed once it is in embed (an empty queue alone is not enough: the runner
+    # takes the first job, then the others already queued, before its batch starts)
+    assert engine.entered.wait(10)
     lengths = [5, 1, 3, 8, 2, 2, 1, 4]
     futures = [runner.pool(PoolingInput([1] * n), "MEAN") for n in lengths]
     engine.gate.set()

@@ -183,34 +183,36 @@ def test_oversized_body_is_413(strict: Server) -> None:
 
 
 def test_full_queue_is_429_with_retry_after_and_the_client_retry_honours_it(strict: Server) -> None:
+    import threading
+
     headers = {"authorization": "Bearer sekret-key"}
     seen: list[int] = []
+    got_429 = threading.Event()
+
+    def hook(response: httpx.Response) -> None:
+        seen.append(response.status_code)
+        if response.status_code == 429:
+            got_429.set()
+
+    # Everything but the two refused requests is made before the holder starts: the holder's 500
+    # tokens are all the time there is (built inside it, the clients took up to a fifth of it here).
+    refused = client(strict, api_key="sekret-key")
+    retrying = client(strict, api_key="sekret-key", max_retries=3, http_client=httpx.Client(event_hooks={"response": [hook]}))
+    result: list[object] = []
+    t = threading.Thread(target=lambda: result.append(retrying.completions.create(model="stories", prompt="Once upon a time",
+                                                                                      max_tokens=40, temperature=0)))
     body = {"model": "stories", "prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as http, http.stream("POST", f"{strict.url}/v1/completions", json=body, headers=headers) as holder:
         lines = holder.iter_lines()
         assert next(lines).startswith("data: ")  # the holder is in flight: the one queue place is taken
         with pytest.raises(openai.RateLimitError) as exc:
-            client(strict, api_key="sekret-key").completions.create(model="stories", prompt="hi", max_tokens=2)
-        assert exc.value.response.headers["retry-after"] == "1"
-        _shape(exc.value.response.json())
-
-        import threading
-
-        got_429 = threading.Event()
-
-        def hook(response: httpx.Response) -> None:
-            seen.append(response.status_code)
-            if response.status_code == 429:
-                got_429.set()
-
-        retrying = client(strict, api_key="sekret-key", max_retries=3, http_client=httpx.Client(event_hooks={"response": [hook]}))
-        result: list[object] = []
-        t = threading.Thread(target=lambda: result.append(retrying.completions.create(model="stories", prompt="Once upon a time",
-                                                                                          max_tokens=40, temperature=0)))
+            refused.completions.create(model="stories", prompt="hi", max_tokens=2)
         t.start()
         assert got_429.wait(60)
     # the holder disconnected: its place is free before the client's retry (after Retry-After: 1 s)
     t.join(60)
+    assert exc.value.response.headers["retry-after"] == "1"
+    _shape(exc.value.response.json())
     assert seen[0] == 429 and seen[-1] == 200
     assert result and result[0].choices[0].text == DOCUMENTED  # type: ignore[attr-defined]
 
