@@ -138,7 +138,8 @@ class LLM:
 
     def stats(self) -> dict[str, Any]:
         """The engine's live counts (``num_requests_running``, ``num_requests_waiting``,
-        ``kv_cache_usage_perc``, ``num_preemptions_total``, ``num_sequences_held``), or ``{}`` when
+        ``kv_cache_usage_perc``, ``num_preemptions_total``, ``num_sequences_held``; a step engine also
+        ``num_requests_aborted_total``, requests ended by a cancel or a client gone), or ``{}`` when
         the engine reports none."""
         stats = getattr(self.engine, "stats", None)
         out = dict(stats()) if callable(stats) else {}

@@ -29,6 +29,8 @@ class Requests:
         self.output = output
         self.queries = queries
         self.by_id: dict[str, Req] = {}
+        #: requests ended by an abort (a caller's cancel, a client gone), for stats
+        self.aborted = 0
 
     # -- add ------------------------------------------------------------------------------------------
 
@@ -91,6 +93,7 @@ class Requests:
     def abort(self, request_id: str) -> None:
         req = self.by_id.get(request_id)
         if req is not None:
+            self.aborted += 1
             self.finish(req, "abort")
 
     def fail(self, seq: Seq | QuerySeq, error: BaseException) -> None:

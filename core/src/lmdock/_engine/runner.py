@@ -185,6 +185,7 @@ class StepRunner:
             "num_sequences_waiting": len(waiting),
             "kv_cache_usage_perc": (sum(s.num_computed for s in running) / capacity) if capacity else 0.0,
             "num_preemptions_total": self._preemptions,
+            "num_requests_aborted_total": self.requests.aborted,
             "num_sequences_held": (held() - cached) if callable(held) else None,
             "num_sequences_cached": cached,
             "prefix_cache_hit_tokens": self.prompts.hit_tokens,
