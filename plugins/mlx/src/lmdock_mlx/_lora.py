@@ -11,19 +11,15 @@ graph is built.  Rows under no adapter compute exactly what the unwrapped layer 
 with no adapter at all adds nothing.
 
 ``prepare`` (in the submitting thread) checks an adapter completely from its config and the
-safetensors header (files, PEFT settings, module names, shapes, rank), so one that cannot load fails
-its request alone; its weights are read with ``mx.load`` in the engine thread on first use, because
-MLX streams belong to the thread that made them.  At most ``build.max_loras`` stay loaded; the least
-recently used go first, never one the current step uses (an evicted adapter is read again when a
-request names it).
+safetensors header (``lmdock.backend.read_lora_adapter``, then module names, shapes and rank), so one
+that cannot load fails its request alone; its weights are read with ``mx.load`` in the engine thread
+on first use, because MLX streams belong to the thread that made them.  At most ``build.max_loras``
+stay loaded; the least recently used go first, never one a sequence in flight runs under (an evicted
+adapter is read again when a request names it).
 """
 
 from __future__ import annotations
 
-import json
-import math
-import re
-import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -34,12 +30,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from lmdock import LoRARequest, RequestError
+from lmdock.backend import read_lora_adapter
 
 #: Adapters kept loaded when ``build.max_loras`` is not set (lmdock-hf's default too).
 DEFAULT_MAX_LORAS = 8
-
-#: PEFT adapter_config.json settings lmdock's add does not implement, and the value that is harmless.
-_UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "modules_to_save": None}
 
 
 @dataclass
@@ -143,64 +137,14 @@ class Adapters:
 
 def check_adapter(lora: LoRARequest, model: nn.Module, max_rank: int | None) -> Adapter:
     """An adapter's modules and scales from its PEFT folder, checked against the model without
-    reading its weights; raises RequestError naming what is wrong (a missing file, a module the
-    model lacks, a shape, a rank above ``build.max_lora_rank``, a PEFT setting lmdock does not
-    implement)."""
-    folder = Path(lora.path)
-    config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
-    for f in (config_file, weights_file):
-        if not f.is_file():
-            raise RequestError(f"lora_request {lora.name!r}: {f} does not exist; an adapter is a PEFT folder "
-                               "(adapter_config.json + adapter_model.safetensors)")
-    try:
-        config = json.loads(config_file.read_text())
-        header = _safetensors_header(weights_file)
-    except (OSError, ValueError) as exc:
-        raise RequestError(f"lora_request {lora.name!r}: cannot read the adapter: {exc}") from exc
-    if config.get("peft_type", "LORA") != "LORA":
-        raise RequestError(f"lora_request {lora.name!r}: peft_type {config.get('peft_type')!r} is not a LoRA adapter")
-    for key, harmless in _UNSUPPORTED.items():
-        if config.get(key, harmless) not in (harmless, [], {}):
-            raise RequestError(f"lora_request {lora.name!r}: adapter_config.json sets {key}={config[key]!r}, which lmdock-mlx "
-                               "does not implement; use a plain LoRA adapter")
-    pairs: dict[str, dict[str, str]] = {}
-    for key in header:
-        m = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key)
-        if m is None:
-            raise RequestError(f"lora_request {lora.name!r}: tensor {key!r} is not a lora_A / lora_B weight; lmdock-mlx "
-                               "runs LoRA on linear layers only")
-        pairs.setdefault(m.group(1), {})[m.group(2)] = key
-    r, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+    reading its weights; raises RequestError naming what is wrong (``read_lora_adapter``'s checks,
+    a module the model lacks, a shape, a rank above ``build.max_lora_rank``)."""
+    weights_file, modules = read_lora_adapter(lora)
     tensors: dict[str, tuple[str, str, float]] = {}
-    for name, ab in pairs.items():
-        out_f, in_f = _linear_shape(model, name, lora)
-        if set(ab) != {"A", "B"}:
-            raise RequestError(f"lora_request {lora.name!r}: module {name!r} lacks lora_{'A' if 'A' not in ab else 'B'}")
-        a, b = header[ab["A"]]["shape"], header[ab["B"]]["shape"]
-        rank = a[0] if len(a) == 2 else -1
-        if a != [rank, in_f] or b != [out_f, rank]:
-            raise RequestError(f"lora_request {lora.name!r}: {name!r} has lora_A {tuple(a)} and lora_B {tuple(b)}, "
-                               f"which do not fit the model's layer ({out_f} x {in_f}): an adapter for another model?")
-        if max_rank is not None and rank > max_rank:
-            raise RequestError(f"lora_request {lora.name!r}: rank {rank} exceeds build.max_lora_rank = {max_rank}")
-        r_m = int(_pattern(config.get("rank_pattern"), name, r))
-        alpha_m = float(_pattern(config.get("alpha_pattern"), name, alpha))
-        scale = alpha_m / math.sqrt(r_m) if config.get("use_rslora") else alpha_m / r_m
-        tensors[name] = (ab["A"], ab["B"], scale)
-    if not tensors:
-        raise RequestError(f"lora_request {lora.name!r}: {weights_file} holds no lora_A / lora_B weights")
-    return Adapter(lora.key, weights_file, tensors)
-
-
-def _safetensors_header(path: Path) -> dict[str, Any]:
-    """The tensors' names, dtypes and shapes, without reading their data (the format's own header)."""
-    with path.open("rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        if size > 100_000_000:
-            raise ValueError(f"{path} is not a safetensors file")
-        header = json.loads(f.read(size))
-    header.pop("__metadata__", None)
-    return header
+    for m in modules:
+        m.check(lora, *_linear_shape(model, m.name, lora), max_rank)
+        tensors[m.name] = (m.lora_a, m.lora_b, m.scale)
+    return Adapter(lora.key, Path(weights_file), tensors)
 
 
 def _parent(model: nn.Module, name: str) -> tuple[Any, str]:
@@ -230,11 +174,3 @@ def _linear_shape(model: nn.Module, name: str, lora: LoRARequest) -> tuple[int, 
         raise RequestError(f"lora_request {lora.name!r}: module {name!r} is a {type(layer).__name__}; lmdock-mlx runs LoRA on linear layers only")
     out_f, in_f = layer.weight.shape
     return out_f, in_f
-
-
-def _pattern(patterns: dict[str, Any] | None, name: str, default: Any) -> Any:
-    """PEFT's ``rank_pattern`` / ``alpha_pattern``: the first key that matches the module name's end."""
-    for key, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({key})$", name):
-            return value
-    return default
