@@ -157,7 +157,11 @@ def test_an_adapter_matches_mlx_lm_lora_unmerged_and_merged(lora_llm: LLM, adapt
 
 
 def test_the_base_model_is_unchanged_beside_loaded_adapters(lora_llm: LLM, adapters: dict[str, Path], refs: dict[Any, Any]) -> None:
-    lora_llm.generate([PROMPTS[0]], GREEDY, lora_request=_lora(adapters, "a"))  # adapter a's layers are wrapped now
+    from lmdock_mlx._lora import LoRALinear
+
+    lora_llm.generate([PROMPTS[0]], GREEDY, lora_request=_lora(adapters, "a"))
+    # the wrappers are in place only while a forward with adapters is built
+    assert not [name for name, m in lora_llm.engine.engine.model.named_modules() if isinstance(m, LoRALinear)]
     for i, prompt in enumerate(PROMPTS):
         _assert_matches(_lmdock(lora_llm.generate([prompt], GREEDY)[0]), refs[None, i])
 

@@ -3,12 +3,12 @@
 An adapter is a PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors``: ``lora_A`` /
 ``lora_B`` per target module, ``r``, ``lora_alpha``).  mlx-lm's own adapters (``adapter_path``)
 change the whole model, so lmdock does as lmdock-hf does: each targeted linear layer (``nn.Linear``
-or ``nn.QuantizedLinear``) is wrapped (:class:`LoRALinear`) the first time an adapter targets it, and
-the wrapper adds ``scale * (x @ A.T) @ B.T`` to the rows whose adapter has weights for that module.
-The engine says, before each forward it builds, which rows run under which adapter
-(:meth:`Adapters.select`); MLX builds graphs lazily, so the plan only has to hold while the forward's
-graph is built.  Rows under no adapter compute exactly what the unwrapped layer does, and a forward
-with no adapter at all adds nothing.
+or ``nn.QuantizedLinear``) gets a wrapper (:class:`LoRALinear`) that adds ``scale * (x @ A.T) @ B.T``
+to the rows whose adapter has weights for that module.  The engine says, before each forward it
+builds, which rows run under which adapter (:meth:`Adapters.select`, which puts the wrappers of the
+targeted layers in place) and :meth:`Adapters.clear` puts the base layers back: MLX builds graphs
+lazily, so both only have to hold while the forward's graph is built.  Rows under no adapter compute
+exactly what the base layer does, and a forward with no adapter runs the untouched model.
 
 ``prepare`` (in the submitting thread) checks an adapter completely from its config and the
 safetensors header (``lmdock.backend.read_lora_adapter``, then module names, shapes and rank), so one
@@ -83,7 +83,8 @@ class Adapters:
         self.loaded: OrderedDict[tuple[str, str], Adapter] = OrderedDict()
         #: the current forward's updates: module name -> [(row indices or None for all, A.T, B.T, scale)]
         self.plan: dict[str, list[tuple[mx.array | None, mx.array, mx.array, float]]] = {}
-        self._wrapped: set[str] = set()
+        #: module name -> (its parent, attribute, the base layer, its wrapper), made on first use
+        self._wrappers: dict[str, tuple[Any, str, nn.Module, LoRALinear]] = {}
         self._lock = threading.Lock()
         self.loads = 0  # adapters checked and (re)admitted (tests check the cache)
 
@@ -102,8 +103,9 @@ class Adapters:
             return adapter
 
     def select(self, loras: Sequence[LoRARequest | None]) -> None:
-        """Say which adapter each row of the next forward runs under (engine thread)."""
-        self.plan = {}
+        """Say which adapter each row of the next forward runs under, and put the wrappers of the
+        layers they target in place (engine thread; ``clear`` undoes it)."""
+        plan: dict[str, list[tuple[mx.array | None, mx.array, mx.array, float]]] = {}
         groups: dict[tuple[str, str], list[int]] = {}
         by_key: dict[tuple[str, str], LoRARequest] = {}
         for row, lora in enumerate(loras):
@@ -113,10 +115,18 @@ class Adapters:
         for key, rows in groups.items():
             index = None if len(rows) == len(loras) else mx.array(rows)
             for name, (a, b, scale) in self._get(by_key[key]).weights().items():
-                self._wrap(name)
-                self.plan.setdefault(name, []).append((index, a, b, scale))
+                plan.setdefault(name, []).append((index, a, b, scale))
+        for name in plan:
+            parent, attr, _, wrapper = self._wrapper(name)
+            setattr(parent, attr, wrapper)
+        self.plan = plan
 
     def clear(self) -> None:
+        """Put the base layers back once the forward's graph is built: a forward without adapters
+        runs the model exactly as mlx-lm made it, with no wrapper in the way."""
+        for name in self.plan:
+            parent, attr, base, _ = self._wrappers[name]
+            setattr(parent, attr, base)
         self.plan = {}
 
     def evict(self, keep: Iterable[tuple[str, str]]) -> None:
@@ -127,12 +137,12 @@ class Adapters:
             for key in [k for k in self.loaded if k not in keep][: max(0, len(self.loaded) - self.max_loras)]:
                 del self.loaded[key]
 
-    def _wrap(self, name: str) -> None:
-        if name in self._wrapped:
-            return
-        parent, attr = _parent(self.model, name)
-        setattr(parent, attr, LoRALinear(getattr(parent, attr), name, self))
-        self._wrapped.add(name)
+    def _wrapper(self, name: str) -> tuple[Any, str, nn.Module, LoRALinear]:
+        if name not in self._wrappers:
+            parent, attr = _parent(self.model, name)
+            base = getattr(parent, attr)
+            self._wrappers[name] = (parent, attr, base, LoRALinear(base, name, self))
+        return self._wrappers[name]
 
 
 def check_adapter(lora: LoRARequest, model: nn.Module, max_rank: int | None) -> Adapter:
