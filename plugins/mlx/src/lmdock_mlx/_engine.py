@@ -18,9 +18,10 @@ mlx-lm reads a top-level ``rope_theta`` and ignores transformers 5's ``rope_para
 config has only the latter, the engine passes its value to mlx-lm explicitly instead of letting the
 default rotary base apply silently.
 
-LoRA adapters (``lmdock_mlx._lora``) add their low-rank updates per row: every forward the engine
-builds (a chunk alone, the decode group, a step run ahead) first says which adapter each of its rows
-runs under; with no adapter in play nothing is wrapped or added.
+LoRA adapters (``lmdock_mlx._lora``) add their low-rank updates per row: a forward the engine builds
+(a chunk alone, the decode group, a step run ahead) with rows under adapters first says which adapter
+each row runs under, which puts the targeted layers' wrappers in place until its graph is built; a
+forward with no adapter runs the untouched model.
 """
 
 from __future__ import annotations
@@ -323,6 +324,7 @@ class MlxStepEngine:
         and a stream left behind aborts the process at exit ("terminate called without an active
         exception")."""
         self.caches.clear()
+        self.loras.clear()
         self.group_ids, self.group, self.ahead = [], [], None
         mx.synchronize()
         mx.clear_streams()
