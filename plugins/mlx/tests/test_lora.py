@@ -251,3 +251,21 @@ def test_an_adapter_on_a_quantized_model(stories: str, adapters: dict[str, Path]
     with LLM(stories, backend="mlx", quantization={"algo": "int8_weight_only"}) as llm:
         out = llm.generate([PROMPTS[0]], GREEDY.replace(prompt_logprobs=None), lora_request=_lora(adapters, "a"))[0]
     assert list(out.outputs[0].token_ids) == ids[len(PROMPTS[0]):]
+
+
+def test_a_process_that_ran_an_adapter_exits_cleanly(stories: str, adapters: dict[str, Path]) -> None:
+    """The adapter is checked in the submitting thread without MLX work and read in the engine thread,
+    whose streams go with it (``thread_exit``): the process exits cleanly after running one.  (On Linux
+    CPU, reading it in the submitting thread exits cleanly too; the thread matters on Metal.)"""
+    import subprocess
+    import sys
+
+    code = (
+        "from lmdock import LLM, LoRARequest, SamplingParams\n"
+        f"llm = LLM({stories!r}, backend='mlx')\n"
+        f"out = llm.generate('Once', SamplingParams(temperature=0, max_new_tokens=3), lora_request=LoRARequest('a', {str(adapters['a'])!r}))\n"
+        "print(out[0].outputs[0].text)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "terminate called" not in out.stderr
