@@ -201,3 +201,70 @@ def test_stats_name_the_adapters_of_running_and_waiting_requests(fakelora: FakeL
         first.result(timeout=30), second.result(timeout=30)
         stats = llm.stats()
     assert (stats["running_lora_adapters"], stats["waiting_lora_adapters"]) == ("", "")
+
+
+# -- read_lora_adapter: the PEFT folder rules lmdock-hf and lmdock-mlx share --------------------
+
+
+def _peft_folder(folder: Any, config: dict[str, Any], shapes: dict[str, list[int]]) -> Any:
+    """A PEFT folder whose safetensors file has these tensors (zeros; only the header is read)."""
+    import json
+    import struct
+
+    header, offset = {}, 0
+    for key, shape in shapes.items():
+        size = 4 * shape[0] * shape[1]
+        header[key] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header).encode()
+    folder.mkdir()
+    (folder / "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + bytes(offset))
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", **config}))
+    return folder
+
+
+def _ab(module: str, r: int, out_f: int = 8, in_f: int = 8) -> dict[str, list[int]]:
+    return {f"base_model.model.{module}.lora_A.weight": [r, in_f], f"base_model.model.{module}.lora_B.weight": [out_f, r]}
+
+
+def test_read_lora_adapter_gives_modules_shapes_and_peft_scales(tmp_path: Any) -> None:
+    from lmdock.backend import read_lora_adapter
+
+    config = {"r": 4, "lora_alpha": 8, "rank_pattern": {"v_proj": 2}, "alpha_pattern": {"o_proj": 2}}
+    folder = _peft_folder(tmp_path / "a", config, {**_ab("layers.0.q_proj", 4), **_ab("layers.0.v_proj", 2), **_ab("layers.0.o_proj", 4)})
+    weights, modules = read_lora_adapter(LoRARequest("a", folder))
+    assert weights == str(folder / "adapter_model.safetensors")
+    got = {m.name: (m.lora_a, m.a_shape, m.b_shape, m.scale) for m in modules}
+    assert got == {
+        "layers.0.q_proj": ("base_model.model.layers.0.q_proj.lora_A.weight", (4, 8), (8, 4), 2.0),
+        "layers.0.v_proj": ("base_model.model.layers.0.v_proj.lora_A.weight", (2, 8), (8, 2), 4.0),
+        "layers.0.o_proj": ("base_model.model.layers.0.o_proj.lora_A.weight", (4, 8), (8, 4), 0.5),
+    }
+    rs = _peft_folder(tmp_path / "rs", {"r": 4, "lora_alpha": 8, "use_rslora": True}, _ab("q_proj", 4))
+    assert [m.scale for m in read_lora_adapter(LoRARequest("rs", rs))[1]] == [4.0]
+
+
+@pytest.mark.parametrize(("config", "shapes", "match"), [
+    ({"r": 4, "use_dora": True}, _ab("q_proj", 4), "sets use_dora=True, which lmdock does not implement"),
+    ({"r": 4, "peft_type": "IA3"}, _ab("q_proj", 4), "peft_type 'IA3' is not a LoRA adapter"),
+    ({"r": 4}, {"base_model.model.embed_tokens.weight": [8, 8]}, "'base_model.model.embed_tokens.weight' is not a lora_A / lora_B weight"),
+    ({"r": 4}, {"base_model.model.q_proj.lora_A.weight": [4, 8]}, "module 'q_proj' lacks lora_B"),
+    ({"r": 4}, {}, "holds no lora_A / lora_B weights"),
+])
+def test_read_lora_adapter_refuses_what_lmdock_does_not_run(tmp_path: Any, config: dict[str, Any], shapes: dict[str, list[int]], match: str) -> None:
+    from lmdock.backend import read_lora_adapter
+
+    with pytest.raises(RequestError, match=rf"lora_request 'x': .*{match}"):
+        read_lora_adapter(LoRARequest("x", _peft_folder(tmp_path / "x", config, shapes)))
+
+
+def test_a_lora_module_is_checked_against_the_models_layer(tmp_path: Any) -> None:
+    from lmdock.backend import read_lora_adapter
+
+    lora = LoRARequest("x", _peft_folder(tmp_path / "x", {"r": 4}, _ab("q_proj", 4, out_f=16)))
+    (module,) = read_lora_adapter(lora)[1]
+    module.check(lora, 16, 8, max_rank=None)
+    with pytest.raises(RequestError, match=r"'q_proj' has lora_A \(4, 8\) and lora_B \(16, 4\), which do not fit the model's layer \(8 x 8\)"):
+        module.check(lora, 8, 8, max_rank=None)
+    with pytest.raises(RequestError, match="rank 4 exceeds build.max_lora_rank = 2"):
+        module.check(lora, 16, 8, max_rank=2)

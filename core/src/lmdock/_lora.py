@@ -5,14 +5,22 @@ A request runs under at most one adapter; requests under different adapters (and
 share one engine step.  What the adapter changes is the model itself, so whatever was computed under
 one adapter (a cached prompt prefix, a forked KV state) is never reused under another: ``key`` is
 what caches are keyed by.
+
+``read_lora_adapter`` reads such a folder's config and safetensors header for the backends that run
+lmdock's own low-rank add (lmdock-hf, lmdock-mlx): the PEFT rules live here once, the tensors are
+loaded by each backend's framework.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from lmdock._errors import RequestError
@@ -114,3 +122,101 @@ def _as_lora(item: Any, declared: Mapping[str, str]) -> LoRARequest | None:
     if hasattr(item, "lora_name") and hasattr(item, "lora_path"):
         return LoRARequest(lora_name=item.lora_name, lora_int_id=getattr(item, "lora_int_id", None), lora_path=item.lora_path)
     raise RequestError(f"lora_request must be a lmdock.LoRARequest (or vLLM's), not {type(item).__name__}")
+
+
+# -- PEFT adapter folders, for backends that run lmdock's own low-rank add ------------------------
+
+#: PEFT adapter_config.json settings lmdock's low-rank add does not implement, and the value that is harmless.
+_UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "modules_to_save": None}
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    """One linear layer a PEFT adapter targets: the model's module path (PEFT's names are the
+    transformers modules' names), its ``lora_A`` / ``lora_B`` tensors' keys and shapes in the
+    safetensors file, and the update's scale (``lora_alpha / r``, or ``/ sqrt(r)`` with
+    ``use_rslora``; ``rank_pattern`` / ``alpha_pattern`` per module)."""
+
+    name: str
+    lora_a: str
+    lora_b: str
+    a_shape: tuple[int, ...]
+    b_shape: tuple[int, ...]
+    scale: float
+
+    def check(self, lora: LoRARequest, out_features: int, in_features: int, max_rank: int | None) -> None:
+        """Raise RequestError unless A is [r, in] and B is [out, r] for the model's layer and r is at
+        most ``build.max_lora_rank``."""
+        rank = self.a_shape[0] if len(self.a_shape) == 2 else -1
+        if self.a_shape != (rank, in_features) or self.b_shape != (out_features, rank):
+            raise RequestError(f"lora_request {lora.name!r}: {self.name!r} has lora_A {self.a_shape} and lora_B {self.b_shape}, "
+                               f"which do not fit the model's layer ({out_features} x {in_features}): an adapter for another model?")
+        if max_rank is not None and rank > max_rank:
+            raise RequestError(f"lora_request {lora.name!r}: rank {rank} exceeds build.max_lora_rank = {max_rank}")
+
+
+def read_lora_adapter(lora: LoRARequest) -> tuple[str, list[LoRAModule]]:
+    """The safetensors file of a PEFT adapter folder and the modules it targets, read from
+    ``adapter_config.json`` and the file's header (no weights are read); raises RequestError naming
+    what is wrong (a missing file, a PEFT setting lmdock does not implement, a tensor that is not a
+    linear layer's lora_A / lora_B).  The backend then checks each module against its model
+    (``LoRAModule.check``) and loads the tensors with its own framework."""
+    folder = Path(lora.path)
+    config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    for f in (config_file, weights_file):
+        if not f.is_file():
+            raise RequestError(f"lora_request {lora.name!r}: {f} does not exist; an adapter is a PEFT folder "
+                               "(adapter_config.json + adapter_model.safetensors)")
+    try:
+        config = json.loads(config_file.read_text())
+        header = _safetensors_header(weights_file)
+    except (OSError, ValueError) as exc:
+        raise RequestError(f"lora_request {lora.name!r}: cannot read the adapter: {exc}") from exc
+    if config.get("peft_type", "LORA") != "LORA":
+        raise RequestError(f"lora_request {lora.name!r}: peft_type {config.get('peft_type')!r} is not a LoRA adapter")
+    for key, harmless in _UNSUPPORTED.items():
+        if config.get(key, harmless) not in (harmless, [], {}):
+            raise RequestError(f"lora_request {lora.name!r}: adapter_config.json sets {key}={config[key]!r}, which lmdock "
+                               "does not implement; use a plain LoRA adapter")
+    pairs: dict[str, dict[str, str]] = {}
+    for key in header:
+        m = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key)
+        if m is None:
+            raise RequestError(f"lora_request {lora.name!r}: tensor {key!r} is not a lora_A / lora_B weight; lmdock "
+                               "runs LoRA on linear layers only")
+        pairs.setdefault(m.group(1), {})[m.group(2)] = key
+    if not pairs:
+        raise RequestError(f"lora_request {lora.name!r}: {weights_file} holds no lora_A / lora_B weights")
+    r, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+    modules = []
+    for name, ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            raise RequestError(f"lora_request {lora.name!r}: module {name!r} lacks lora_{'A' if 'A' not in ab else 'B'}")
+        r_m = int(_pattern(config.get("rank_pattern"), name, r))
+        alpha_m = float(_pattern(config.get("alpha_pattern"), name, alpha))
+        scale = alpha_m / math.sqrt(r_m) if config.get("use_rslora") else alpha_m / r_m
+        modules.append(LoRAModule(name, ab["A"], ab["B"], tuple(header[ab["A"]]["shape"]), tuple(header[ab["B"]]["shape"]), scale))
+    return str(weights_file), modules
+
+
+def _safetensors_header(path: Path) -> dict[str, Any]:
+    """A safetensors file's tensor names, dtypes and shapes, without their data (the format's header:
+    a little-endian u64 length, then that much JSON)."""
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path} is not a safetensors file")
+        (size,) = struct.unpack("<Q", head)
+        if size > 100_000_000:
+            raise ValueError(f"{path} is not a safetensors file")
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return header
+
+
+def _pattern(patterns: dict[str, Any] | None, name: str, default: Any) -> Any:
+    """PEFT's ``rank_pattern`` / ``alpha_pattern``: the first key that matches the module name's end."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", name):
+            return value
+    return default

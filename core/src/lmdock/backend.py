@@ -27,6 +27,7 @@ from lmdock._declare import Backend, has_nvidia_gpu
 from lmdock._errors import BackendError, EngineClosedError, RequestError, UnsupportedError
 from lmdock._files import read_model_json
 from lmdock._hooks import hookimpl
+from lmdock._lora import LoRAModule, read_lora_adapter
 from lmdock._outputs import CompletionOutput, Logprob, RequestOutput
 from lmdock._params import ModelConfig, PoolingParams
 from lmdock._sinks import safe_fail, safe_put
@@ -79,6 +80,7 @@ __all__ = [
     "EngineClosedError",
     "EngineRequest",
     "FcfsScheduler",
+    "LoRAModule",
     "Logprob",
     "ModelConfig",
     "OutputSink",
@@ -104,6 +106,7 @@ __all__ = [
     "has_nvidia_gpu",
     "hookimpl",
     "pool_hidden",
+    "read_lora_adapter",
     "read_model_json",
     "read_pooling_config",
     "safe_fail",

@@ -15,24 +15,17 @@ one the current forward uses (an evicted adapter is read again when a request na
 
 from __future__ import annotations
 
-import json
-import math
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 from lmdock import LoRARequest, RequestError
+from lmdock.backend import read_lora_adapter
 
 #: Adapters kept loaded when ``build.max_loras`` is not set.
 DEFAULT_MAX_LORAS = 8
-
-#: PEFT adapter_config.json settings lmdock's add does not implement, and the value that is harmless.
-_UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "modules_to_save": None}
 
 
 @dataclass
@@ -130,50 +123,16 @@ class Adapters:
 
 def read_adapter(lora: LoRARequest, model: torch.nn.Module, dtype: torch.dtype, device: torch.device, max_rank: int | None) -> Adapter:
     """An adapter's weights from its PEFT folder, checked against the model; raises RequestError
-    naming what is wrong (a missing file, a module the model lacks, a shape, a PEFT setting lmdock
-    does not implement)."""
+    naming what is wrong (``read_lora_adapter``'s checks, a module the model lacks, a shape, a rank
+    above ``build.max_lora_rank``)."""
     from safetensors.torch import load_file
 
-    folder = Path(lora.path)
-    config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
-    for f in (config_file, weights_file):
-        if not f.is_file():
-            raise RequestError(f"lora_request {lora.name!r}: {f} does not exist; an adapter is a PEFT folder "
-                               "(adapter_config.json + adapter_model.safetensors)")
-    config = json.loads(config_file.read_text())
-    if config.get("peft_type", "LORA") != "LORA":
-        raise RequestError(f"lora_request {lora.name!r}: peft_type {config.get('peft_type')!r} is not a LoRA adapter")
-    for key, harmless in _UNSUPPORTED.items():
-        if config.get(key, harmless) not in (harmless, [], {}):
-            raise RequestError(f"lora_request {lora.name!r}: adapter_config.json sets {key}={config[key]!r}, which lmdock-hf "
-                               "does not implement; use a plain LoRA adapter")
-    tensors = load_file(str(weights_file))
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        m = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key)
-        if m is None:
-            raise RequestError(f"lora_request {lora.name!r}: tensor {key!r} is not a lora_A / lora_B weight; lmdock-hf "
-                               "runs LoRA on linear layers only")
-        pairs.setdefault(m.group(1), {})[m.group(2)] = tensor
-    r, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
-    modules: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
-    for name, ab in pairs.items():
-        layer = _linear(model, name, lora)
-        if set(ab) != {"A", "B"}:
-            raise RequestError(f"lora_request {lora.name!r}: module {name!r} lacks lora_{'A' if 'A' not in ab else 'B'}")
-        a, b = ab["A"], ab["B"]
-        rank = a.shape[0]
-        if a.shape != (rank, layer.in_features) or b.shape != (layer.out_features, rank):
-            raise RequestError(f"lora_request {lora.name!r}: {name!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
-                               f"which do not fit the model's layer ({layer.out_features} x {layer.in_features}): an adapter for another model?")
-        if max_rank is not None and rank > max_rank:
-            raise RequestError(f"lora_request {lora.name!r}: rank {rank} exceeds build.max_lora_rank = {max_rank}")
-        r_m = int(_pattern(config.get("rank_pattern"), name, r))
-        alpha_m = float(_pattern(config.get("alpha_pattern"), name, alpha))
-        scale = alpha_m / math.sqrt(r_m) if config.get("use_rslora") else alpha_m / r_m
-        modules[name] = (a.to(device, dtype), b.to(device, dtype), scale)
-    if not modules:
-        raise RequestError(f"lora_request {lora.name!r}: {weights_file} holds no lora_A / lora_B weights")
+    weights_file, targets = read_lora_adapter(lora)
+    for m in targets:
+        layer = _linear(model, m.name, lora)
+        m.check(lora, layer.out_features, layer.in_features, max_rank)
+    tensors = load_file(weights_file)
+    modules = {m.name: (tensors[m.lora_a].to(device, dtype), tensors[m.lora_b].to(device, dtype), m.scale) for m in targets}
     return Adapter(lora.key, modules)
 
 
@@ -187,11 +146,3 @@ def _linear(model: torch.nn.Module, name: str, lora: LoRARequest) -> torch.nn.Li
     if not isinstance(layer, torch.nn.Linear):
         raise RequestError(f"lora_request {lora.name!r}: module {name!r} is a {type(layer).__name__}; lmdock-hf runs LoRA on nn.Linear only")
     return layer
-
-
-def _pattern(patterns: dict[str, Any] | None, name: str, default: Any) -> Any:
-    """PEFT's ``rank_pattern`` / ``alpha_pattern``: the first key that matches the module name's end."""
-    for key, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({key})$", name):
-            return value
-    return default

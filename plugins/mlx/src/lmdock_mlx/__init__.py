@@ -32,12 +32,11 @@ SPEC = BackendSpec(
     kind="step",
     plugin_api="1.0",
     supports=frozenset({"generate", "chat", "stream", "sampling", "logit_bias", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search", "structured_output", "tools",
-                        "quantization"}),
+                        "quantization", "lora"}),
     lacks={
         "embed": "mlx-lm serves causal LMs",
         "score": "mlx-lm serves causal LMs",
         "offload": "MLX keeps weights in unified memory",
-        "lora": "not wired yet: mlx-lm applies adapter_path to the whole model, not per row (issue 33)",
     },
     requires=("mlx", "mlx_lm"),
     engine_packages=("mlx", "mlx-lm"),  # mlx-lm's caches and model calls (docs/authoring-backends.md)
@@ -66,7 +65,8 @@ def _build(model_config: ModelConfig) -> dict[str, Any] | None:
     b = model_config.build
     if b.device not in ("auto", "cpu", "gpu", "metal"):
         raise lmdock.UnsupportedError(f"build.device {b.device!r}: MLX runs on 'cpu' or 'gpu' (Metal)")
-    return {"dtype": b.dtype, "device": b.device, "max_seq_len": b.max_seq_len, "kv_max_tokens": model_config.kv_cache.max_tokens}
+    return {"dtype": b.dtype, "device": b.device, "max_seq_len": b.max_seq_len, "kv_max_tokens": model_config.kv_cache.max_tokens,
+            "max_loras": b.max_loras, "max_lora_rank": b.max_lora_rank}
 
 
 def _load(model_config: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> Any:

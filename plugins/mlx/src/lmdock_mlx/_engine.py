@@ -17,17 +17,25 @@ that leaves is filtered out of the queued result too; a fork copies only positio
 mlx-lm reads a top-level ``rope_theta`` and ignores transformers 5's ``rope_parameters``: when a
 config has only the latter, the engine passes its value to mlx-lm explicitly instead of letting the
 default rotary base apply silently.
+
+LoRA adapters (``lmdock_mlx._lora``) add their low-rank updates per row: a forward the engine builds
+(a chunk alone, the decode group, a step run ahead) with rows under adapters first says which adapter
+each row runs under, which puts the targeted layers' wrappers in place until its graph is built; a
+forward with no adapter runs the untouched model.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from lmdock import BackendError, ModelConfig, UnsupportedError
+from lmdock import BackendError, LoRARequest, ModelConfig, UnsupportedError
 from lmdock.backend import SeqChunk, StepOutput, read_model_json
+
+from lmdock_mlx._lora import DEFAULT_MAX_LORAS, Adapters
 
 
 def rope_overrides(config: dict[str, Any]) -> dict[str, Any]:
@@ -90,6 +98,12 @@ class MlxStepEngine:
         self.group: list[Any] = []
         #: the next decode step, run ahead (see the module docstring)
         self.ahead: _Ahead | None = None
+        #: LoRA adapters, made on the first request that names one (``prepare_lora``)
+        self.adapters: Adapters | None = None
+        self._adapters_made = threading.Lock()  # submitting threads race to make it: one must win
+        self.lora_limits: tuple[int | None, int | None] = (None, None)  # build.max_loras, build.max_lora_rank
+        #: the adapter of each sequence that runs under one (the decode group's rows are forwarded by seq id)
+        self.loras: dict[int, LoRARequest] = {}
 
     @classmethod
     def load(cls, mc: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> MlxStepEngine:
@@ -123,14 +137,30 @@ class MlxStepEngine:
         limit = int(config.get("max_position_embeddings") or 4096)
         max_seq_len = min(build["max_seq_len"], limit) if build.get("max_seq_len") else limit
         vocab = int(config.get("vocab_size") or len(tokenizer))
-        return cls(model, tokenizer, eos, max_seq_len, vocab, read_model_json(mc.model, "generation_config.json"), build.get("kv_max_tokens"))
+        engine = cls(model, tokenizer, eos, max_seq_len, vocab, read_model_json(mc.model, "generation_config.json"), build.get("kv_max_tokens"))
+        engine.lora_limits = (build.get("max_loras"), build.get("max_lora_rank"))
+        return engine
 
     # -- the step-engine contract ---------------------------------------------------------------
+
+    @property
+    def max_loras(self) -> int:
+        """Adapters kept loaded (``build.max_loras``, or lmdock-mlx's default); reported in /metrics."""
+        return self.lora_limits[0] or DEFAULT_MAX_LORAS
+
+    def prepare_lora(self, lora: LoRARequest) -> None:
+        """Check a request's adapter (in the submitting thread): one that cannot load fails its request."""
+        with self._adapters_made:
+            if self.adapters is None:
+                self.adapters = Adapters(self.model, *self.lora_limits)
+        self.adapters.prepare(lora)
 
     def step(self, chunks: Sequence[SeqChunk]) -> StepOutput:
         from mlx_lm.models.cache import make_prompt_cache
 
         pending: list[Any] = [None] * len(chunks)
+        if self.adapters is not None:
+            self.loras.update((c.seq_id, c.lora) for c in chunks if c.lora is not None)
         decode = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1 and not c.all_logits and c.start > 0 and self._decodable(c.seq_id)]
         ahead, self.ahead = self.ahead, None
         if ahead is not None and not ahead.matches([chunks[i] for i in decode]):
@@ -149,7 +179,7 @@ class MlxStepEngine:
             cache = self.caches.get(c.seq_id)
             if cache is None or c.start == 0:
                 cache = self.caches[c.seq_id] = make_prompt_cache(self.model)
-            logits = self.model(mx.array([list(c.token_ids)]), cache=cache)[0]
+            logits = self._forward(mx.array([list(c.token_ids)]), cache, [c.lora])[0]
             pending[i] = (logits if c.all_logits else logits[-1:]).astype(mx.float32)
         outs = [a for a in pending if a is not None] + ([group_logits] if group_logits is not None else [])
         nxt: _Ahead | None = None
@@ -164,9 +194,11 @@ class MlxStepEngine:
             cache = self.caches[c.seq_id]
             spec = mx.argmax(pending[decode[0]], axis=-1)
             mx.async_eval(spec, *outs)
-            nxt = _Ahead([c.seq_id], [c.start + 1], spec, self.model(spec[None], cache=cache)[0].astype(mx.float32), cache)
+            nxt = _Ahead([c.seq_id], [c.start + 1], spec, self._forward(spec[None], cache, [c.lora])[0].astype(mx.float32), cache)
         else:
             mx.eval(outs)  # every sequence's graph at once
+        if self.adapters is not None:
+            self.adapters.evict(keep=[lora.key for lora in self.loras.values()])
         if nxt is not None:
             mx.async_eval(nxt.logits)
         try:
@@ -247,10 +279,21 @@ class MlxStepEngine:
         return self._forward_group(mx.array([[tokens[s]] for s in self.group_ids]))
 
     def _forward_group(self, ids: Any) -> Any:
-        return self.model(ids, cache=self.group)[:, -1].astype(mx.float32)
+        return self._forward(ids, self.group, [self.loras.get(s) for s in self.group_ids] if self.loras else [])[:, -1].astype(mx.float32)
+
+    def _forward(self, ids: Any, cache: Any, loras: list[LoRARequest | None]) -> Any:
+        """Build the model's forward over ``ids``, each row under its adapter (None: the base model)."""
+        if self.adapters is None or not any(loras):
+            return self.model(ids, cache=cache)
+        self.adapters.select(loras)
+        try:
+            return self.model(ids, cache=cache)
+        finally:
+            self.adapters.clear()
 
     def release(self, seq_id: int) -> None:
         self.caches.pop(seq_id, None)
+        self.loras.pop(seq_id, None)
         if seq_id in self.group_ids:
             self._drop_rows([seq_id])
         elif self.ahead is not None and self.ahead.seq_ids == [seq_id]:
@@ -281,6 +324,7 @@ class MlxStepEngine:
         and a stream left behind aborts the process at exit ("terminate called without an active
         exception")."""
         self.caches.clear()
+        self.loras.clear()
         self.group_ids, self.group, self.ahead = [], [], None
         mx.synchronize()
         mx.clear_streams()
@@ -291,4 +335,6 @@ class MlxStepEngine:
     def close(self) -> None:
         self.caches.clear()
         self.group_ids, self.group, self.ahead = [], [], None
+        self.loras.clear()
         self.model = None
+        self.adapters = None  # its weights go with the model
