@@ -19,15 +19,19 @@ unset, so ``--replicas 2`` starts a local Ray cluster of its own):
   ``replicas2 / plain2`` is what the Ray path costs (its front end, routing and streaming through
   actors), and ``replicas2 / plain`` what splitting the cores into replicas costs on top.
 
-Each server: a warm-up at the same concurrency (2 tokens each, prompts of their own), then
-``--rounds`` (5) timed rounds (round r streams the prompts of seed r), each bounded by ``--timeout``;
-every stream's token count is checked (its usage event).  Printed: the command line, the machine and
-its load, per server the median round's output tok/s, TTFT and ITL p50/p99, the CPU seconds its
-process group spent in the median round, its start time and (``replicas2``) the requests each replica
-served per round (``/stats``); then the ratios of the median throughputs.  Every server is stopped
-(SIGTERM to its group, SIGKILL after 60 s), also on error.  Needs ``lmdock[serve,ray]`` and ``lmdock-hf``.
+Each setup in turn is started, warmed up at the same concurrency (2 tokens each, prompts of their
+own), timed for ``--rounds`` (3) rounds (round r streams the prompts of seed r), each bounded by
+``--timeout``, and stopped (SIGTERM to its process group, SIGKILL after 60 s; also on error); every
+stream's token count is checked (its usage event).  That is one cycle; ``--cycles`` (3) of them run,
+the order reversed every other cycle, so that a machine whose load drifts (a shared one) weighs on
+every setup.  Printed: the command line, the machine and its load, per setup its median round over
+all cycles (output tok/s, TTFT and ITL p50/p99, the CPU seconds the servers and all their descendants,
+Ray's processes included, spent in it, of which the ``lmdock serve`` processes' own), its median start
+time and (``replicas2``) the requests each replica served per round (``/stats``); then each ratio of
+median throughputs cycle by cycle, with its median and spread.  Needs ``lmdock[serve,ray]`` and
+``lmdock-hf``.
 
-Run: ``HF_HUB_OFFLINE=1 python benchmarks/replicas.py [--requests 32] [--tokens 64] [--rounds 5] [--cores N] [--servers plain,replicas1,replicas2,plain2]``.
+Run: ``HF_HUB_OFFLINE=1 python benchmarks/replicas.py [--requests 32] [--tokens 64] [--rounds 3] [--cycles 3] [--cores N] [--servers plain,replicas1,replicas2,plain2]``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import asyncio
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -92,9 +97,9 @@ def replica_requests(port: int) -> dict[str, int]:
         return dict(json.load(reply)["bench"].get("replica_requests", {}))
 
 
-async def measure(setup: Setup, path: str, args: argparse.Namespace) -> dict[str, Any]:
+async def measure(setup: Setup, path: str, args: argparse.Namespace, cycle: int) -> dict[str, Any]:
     """Start ``setup``'s servers, warm them up, time ``args.rounds`` rounds, stop them (also on error).
-    Returns the median round, every round's tok/s, the start time and the per-round replica split."""
+    Returns the rounds and the seconds the servers took to start."""
     n, requests = args.tokens, args.requests
     servers: list[tuple[subprocess.Popen[bytes], int, Path]] = []
     try:
@@ -140,30 +145,32 @@ async def measure(setup: Setup, path: str, args: argparse.Namespace) -> dict[str
             split = replica_requests(ports[0])
             result["split"] = sorted((split[k] - before_split.get(k, 0) for k in split), reverse=True)
             rounds.append(result)
-            print(f"{setup.name} round {r}: {result['tok/s']:.1f} tok/s, TTFT p50 {result['ttft50']:.0f} ms, "
+            print(f"cycle {cycle} {setup.name} round {r}: {result['tok/s']:.1f} tok/s, TTFT p50 {result['ttft50']:.0f} ms, "
                   f"{result['cpu']:.1f} CPU s" + (f", requests per replica {result['split']}" if result["split"] else ""),
                   flush=True)
-        best = dict(median_round(rounds))
-        best["rounds"] = [x["tok/s"] for x in rounds]
-        best["splits"] = [x["split"] for x in rounds]
-        best["start_s"] = started
-        return best
+        return {"rounds": rounds, "start_s": started}
     finally:
         for proc, _, _ in servers:
             stop(proc)
 
 
-def ratio_lines(results: dict[str, dict[str, Any]]) -> list[str]:
-    notes = {
-        ("replicas1", "plain"): "--replicas 1 runs no Ray, the same code as plain: this is the run-to-run spread",
-        ("replicas2", "replicas1"): "2 Ray replicas of half the threads each against one engine of all of them",
-        ("replicas2", "plain"): "the Ray path and the split into replicas together",
-        ("replicas2", "plain2"): "the Ray path's own cost: the same engines and threads, without Ray",
-    }
+#: the ratios printed, each with what it measures
+RATIOS = {
+    ("replicas1", "plain"): "--replicas 1 runs no Ray, the same code as plain: the run-to-run spread",
+    ("replicas2", "replicas1"): "2 Ray replicas of half the threads each against one engine of all of them",
+    ("replicas2", "plain"): "the Ray path and the split into replicas together",
+    ("replicas2", "plain2"): "the Ray path's own cost: the same engines and threads, without Ray",
+}
+
+
+def ratio_lines(cycles: list[dict[str, dict[str, Any]]]) -> list[str]:
+    """Each ratio of median throughputs, cycle by cycle (the setups of a cycle ran one after the other)."""
     out = []
-    for (a, b), note in notes.items():
-        if a in results and b in results:
-            out.append(f"{a} / {b} throughput: {results[a]['tok/s'] / results[b]['tok/s']:.3f} ({note})")
+    for (a, b), note in RATIOS.items():
+        if a in cycles[0] and b in cycles[0]:
+            xs = [median_round(c[a]["rounds"])["tok/s"] / median_round(c[b]["rounds"])["tok/s"] for c in cycles]
+            out.append(f"{a} / {b} throughput by cycle: {', '.join(f'{x:.3f}' for x in xs)}; median {statistics.median(xs):.3f}, "
+                       f"spread {min(xs):.3f}-{max(xs):.3f} ({note})")
     return out
 
 
@@ -171,7 +178,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=32, help="concurrent streams per round")
     ap.add_argument("--tokens", type=int, default=64, help="output tokens per request")
-    ap.add_argument("--rounds", type=int, default=5, help="timed rounds per server; the median is reported")
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds per setup and cycle")
+    ap.add_argument("--cycles", type=int, default=3,
+                    help="times each setup is started and timed, the order reversed every other cycle")
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 1,
                     help="torch threads of a single engine; replicas2 and plain2 give each of their two engines half")
     ap.add_argument("--servers", default="plain,replicas1,replicas2,plain2",
@@ -184,20 +193,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     unknown = [s for s in order if s not in known]
     if unknown or not order:
         ap.error(f"--servers: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(known)}")
-    if args.rounds < 1 or args.requests < 1 or args.tokens < 1:
-        ap.error("--rounds, --requests and --tokens must be at least 1")
+    if min(args.rounds, args.cycles, args.requests, args.tokens) < 1:
+        ap.error("--rounds, --cycles, --requests and --tokens must be at least 1")
     load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
     path = str(random_llama())
+    cycles: list[dict[str, dict[str, Any]]] = []
+    for c in range(args.cycles):
+        cycles.append({name: asyncio.run(measure(known[name], path, args, c)) for name in (order if c % 2 == 0 else order[::-1])})
     results = {}
-    for name in order:
-        results[name] = asyncio.run(measure(known[name], path, args))
+    for name in order:  # each setup's median round over every cycle, and its median start time
+        rounds = [r for c in cycles for r in c[name]["rounds"]]
+        results[name] = {**median_round(rounds), "start_s": statistics.median(c[name]["start_s"] for c in cycles),
+                         "rounds": [r["tok/s"] for r in rounds], "splits": [r["split"] for r in rounds]}
     load_end = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
     print(f"command: {shlex.join([Path(sys.executable).name, *sys.argv])}")
     print(f"model: random Llama ~100M, float32, hf backend; {args.requests} concurrent streams x {args.tokens} output "
           "tokens (token-id prompts of 16-128 tokens, greedy, EOS ignored), raw SSE client; max_num_seqs "
           f"{args.requests} per engine")
     print(f"machine: {machine()}; cores given to each setup: {args.cores}; load average at start {load}, at end {load_end}")
-    print(f"median of {args.rounds} timed rounds per setup (round r: the prompts of seed r); setups in the order {', '.join(order)}")
+    print(f"{args.cycles} cycles of {args.rounds} timed rounds per setup (round r: the prompts of seed r), the setups one "
+          f"after the other in the order {', '.join(order)}, reversed every other cycle; per setup its median round of all:")
     rows = [(r["run"], f"{known[name].engines} x {known[name].threads}",
              f"{r['tok/s']:.1f}", f"{r['ttft50']:.0f}", f"{r['ttft99']:.0f}", f"{r['itl50']:.1f}", f"{r['itl99']:.1f}",
              f"{r['cpu']:.1f}", f"{r['cpu_front']:.1f}", f"{r['start_s']:.0f}") for name, r in results.items()]
@@ -206,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for name, r in results.items():
         split = f"; requests per replica by round: {r['splits']}" if any(r["splits"]) else ""
         print(f"{name}: output tok/s by round: {', '.join(f'{x:.1f}' for x in r['rounds'])}{split}")
-    for line in ratio_lines(results):
+    for line in ratio_lines(cycles):
         print(line)
 
 
