@@ -92,8 +92,9 @@ def setups(cores: int) -> dict[str, Setup]:
 
 
 def replica_requests(port: int) -> dict[str, int]:
-    """Requests each replica has served so far (``/stats``; empty without replicas)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/stats", timeout=30) as reply:
+    """Requests each replica has served so far (``/stats``; empty without replicas).  No proxy: the
+    server is on 127.0.0.1, whatever ``http_proxy`` says."""
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(f"http://127.0.0.1:{port}/stats", timeout=30) as reply:
         return dict(json.load(reply)["bench"].get("replica_requests", {}))
 
 
