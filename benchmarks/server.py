@@ -41,9 +41,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,37 +49,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import (  # noqa: E402
+    Trace,
+    free_port,
+    group_cpu,
+    machine,
+    median_round,
+    random_llama,
+    raw_stream,
+    start_hf_server,
+    stop,
+    summarize,
+    table,
+    wait_up,
+    workload,
+)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def workload(n: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[1] + [rng.randrange(3, 512) for _ in range(rng.randint(16, 128) - 1)] for _ in range(n)]
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
-
-
-class Trace:
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.arrivals: list[float] = []
-        self.tokens: int | None = None  # completion_tokens of the stream's usage event, when asked for
-
-    def ttft(self) -> float:
-        return self.arrivals[0] - self.start
-
-    def itls(self) -> list[float]:
-        return [b - a for a, b in zip(self.arrivals, self.arrivals[1:])]
-
-
-def summarize(name: str, traces: list[Trace], tokens: int, wall: float) -> dict[str, Any]:
-    ttfts = [t.ttft() * 1000 for t in traces]
-    itls = [x * 1000 for t in traces for x in t.itls()]
-    return {"run": name, "req/s": len(traces) / wall, "tok/s": tokens / wall, "ttft50": pct(ttfts, 50), "ttft99": pct(ttfts, 99),
-            "itl50": pct(itls, 50), "itl99": pct(itls, 99), "wall": wall}
 
 
 async def in_process_round(llm: Any, prompts: list[list[int]], n: int) -> dict[str, Any]:
@@ -113,46 +97,6 @@ async def in_process_round(llm: Any, prompts: list[list[int]], n: int) -> dict[s
     t0 = time.perf_counter()
     traces = await asyncio.gather(*(one(p) for p in prompts))
     return summarize("in-process LLM (streamed)", list(traces), n * len(prompts), time.perf_counter() - t0)
-
-
-async def raw_stream(port: int, body: dict[str, Any], tr: Trace) -> None:
-    """One streaming POST /v1/completions over a bare asyncio connection, as ``vllm bench serve``
-    reads SSE with aiohttp: an arrival per ``data:`` event with a non-empty ``choices`` list (uvicorn
-    sends each event in one chunk, so an event is one line here; lmdock serve and vLLM's server both
-    write compact JSON, ``"choices":[{...``), no JSON parsing of the chunks.  The usage event (an empty
-    ``choices`` list, sent last when ``stream_options.include_usage`` is asked for) is parsed for the
-    stream's ``completion_tokens``."""
-    import json
-
-    payload = json.dumps(body).encode()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload))
-    await writer.drain()
-    status = await reader.readline()
-    if b" 200 " not in status:
-        raise SystemExit(f"the server answered {status!r}")
-    try:
-        while line := await reader.readline():
-            if line.startswith(b"data: {"):
-                if b'"choices":[{' in line:
-                    tr.arrivals.append(time.perf_counter())
-                elif b'"choices":[]' in line and b'"usage":{' in line:
-                    tr.tokens = int(json.loads(line[6:])["usage"]["completion_tokens"])
-    finally:
-        writer.close()
-
-
-def start_hf_server(path: str, requests: int, threads: int, tmp: Path) -> tuple[subprocess.Popen[bytes], int]:
-    """``lmdock serve`` on the hf backend in a subprocess of its own on 127.0.0.1; returns it and its port."""
-    port = free_port()
-    cfg = tmp / "lmdock.toml"
-    cfg.write_text(f'default_model = "bench"\n[server]\nhost = "127.0.0.1"\nport = {port}\n[models.bench]\nmodel = "{path}"\n'
-                   f'backend = "hf"\nscheduler = {{ max_num_seqs = {requests} }}\n[models.bench.backends.hf]\nnum_threads = {threads}\n')
-    exe = Path(sys.executable).with_name("lmdock")
-    proc = subprocess.Popen([str(exe), "serve", "--config", str(cfg), "--log-level", "warning"], stderr=subprocess.DEVNULL,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-    return proc, port
 
 
 async def server_round(client: Any, port: int, prompts: list[list[int]], n: int, client_kind: str) -> dict[str, Any]:
@@ -191,11 +135,7 @@ async def paired(path: str, args: argparse.Namespace, kinds: list[str]) -> tuple
     proc, port = start_hf_server(path, args.requests, args.threads, tmp)
     try:
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=timeout)
-        deadline = time.monotonic() + args.start_timeout
-        while await http_status(port, "/v1/models") != 200:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("lmdock serve did not start")
-            await asyncio.sleep(0.3)
+        await wait_up(proc, port, args.start_timeout, "lmdock serve", tmp / "server.log")
         warm = workload(args.requests, seed=1000)
         await asyncio.wait_for(server_round(client, port, warm, 2, kinds[0]), timeout)
         with LLM(path, backend="hf", scheduler={"max_num_seqs": args.requests}, backends={"hf": {"num_threads": args.threads}}) as llm:
@@ -231,12 +171,6 @@ def process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """The round with the median throughput (the lower middle one for an even count)."""
-    ordered = sorted(rounds, key=lambda x: x["tok/s"])
-    return ordered[(len(ordered) - 1) // 2]
-
-
 # -- --backend vllm: lmdock serve (lmdock-vllm) against vLLM's own OpenAI server ---------------------
 
 #: The engine settings of both servers (max_num_seqs is the number of requests).  lmdock-vllm also
@@ -245,48 +179,6 @@ def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 VLLM_ENGINE = {"dtype": "float32", "max_num_batched_tokens": 2048, "enable_prefix_caching": True}
 VLLM_MATCH_LMDOCK = ["--logprobs-mode", "raw_logprobs", "--max-logprobs", "-1",
                      "--structured-outputs-config", '{"backend": "guidance", "disable_any_whitespace": true}']
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM to the server's process group (the server and vLLM's engine-core child), SIGKILL after 60 s."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left (an orphaned engine core)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-async def http_status(port: int, path: str) -> int | None:
-    """The status code of ``GET path``, or None when nothing answers yet."""
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
-    except (OSError, asyncio.TimeoutError):
-        return None
-    try:
-        writer.write(b"GET %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n" % path.encode())
-        await writer.drain()
-        line = await asyncio.wait_for(reader.readline(), 30)
-        parts = line.split()
-        return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
-    except (OSError, asyncio.TimeoutError):
-        return None
-    finally:
-        writer.close()
 
 
 def server_command(side: str, path: str, port: int, requests: int, tmp: Path) -> list[str]:
@@ -308,25 +200,6 @@ def server_command(side: str, path: str, port: int, requests: int, tmp: Path) ->
             *VLLM_MATCH_LMDOCK, "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
 
 
-def group_cpu(pgid: int) -> dict[int, float]:
-    """CPU seconds (user + system) so far of each live process in process group ``pgid`` (Linux /proc;
-    empty elsewhere)."""
-    out: dict[int, float] = {}
-    if not os.path.isdir("/proc"):
-        return out
-    tick = os.sysconf("SC_CLK_TCK")
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        if int(fields[2]) == pgid:
-            out[int(pid)] = (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
 async def served_vllm(side: str, path: str, requests: int, n: int, rounds: int, start_timeout: float, run_timeout: float) -> dict[str, Any]:
     """Start one server (``side``: "lmdock" or "vllm") in its own process group, wait until
     ``/v1/models`` answers 200, warm up, time ``rounds`` runs of the streamed workload (round r on
@@ -340,15 +213,8 @@ async def served_vllm(side: str, path: str, requests: int, n: int, rounds: int, 
     label = "lmdock serve (vllm backend)" if side == "lmdock" else "vllm serve (vllm.entrypoints.openai.api_server)"
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    t0 = time.monotonic()
     try:
-        while await http_status(port, "/v1/models") != 200:
-            if proc.poll() is not None or time.monotonic() - t0 > start_timeout:
-                tail = log.read_text(errors="replace")[-3000:]
-                raise SystemExit(f"{label} did not start within {start_timeout:.0f} s (exit code {proc.poll()}); "
-                                 f"log {log}:\n{tail}")
-            await asyncio.sleep(1)
-        started = time.monotonic() - t0
+        started = await wait_up(proc, port, start_timeout, label, log)
 
         async def one(ids: list[int], tokens: int) -> Trace:
             tr = Trace()
@@ -383,9 +249,6 @@ async def served_vllm(side: str, path: str, requests: int, n: int, rounds: int, 
 
 
 def main_vllm(args: argparse.Namespace) -> None:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from _common import machine, random_llama, table
-
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_space))
     os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # both servers: vLLM's engine core in its own process
     path = str(args.model or random_llama())
@@ -436,9 +299,6 @@ def main() -> None:
         args.load_at_start = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
         main_vllm(args)
         return
-    sys.path.insert(0, str(Path(__file__).parent))
-    from _common import machine, random_llama, table
-
     path = str(random_llama())
     kinds = ["openai", "raw"] if args.client == "both" else [args.client]
     load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
