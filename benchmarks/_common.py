@@ -168,13 +168,14 @@ async def raw_stream(port: int, body: dict[str, Any], tr: Trace) -> None:
 
 
 def start_hf_server(path: str, requests: int, threads: int, tmp: Path, args: Sequence[str] = (),
-                    env: dict[str, str | None] | None = None) -> tuple[subprocess.Popen[bytes], int]:
+                    env: dict[str, str | None] | None = None, server_table: str = "") -> tuple[subprocess.Popen[bytes], int]:
     """``lmdock serve`` on the hf backend (model ``bench``, ``max_num_seqs`` = ``requests``, ``threads`` torch
-    threads) in a process group of its own on 127.0.0.1, ``args`` added to its command line and ``env``
-    over the environment (None: unset); its output goes to ``tmp/server.log``.  Returns it and its port."""
+    threads) in a process group of its own on 127.0.0.1, ``args`` added to its command line, ``server_table``
+    to its config's ``[server]`` and ``env`` over the environment (None: unset); its output goes to
+    ``tmp/server.log``.  Returns it and its port."""
     port = free_port()
     cfg = tmp / "lmdock.toml"
-    cfg.write_text(f'default_model = "bench"\n[server]\nhost = "127.0.0.1"\nport = {port}\n[models.bench]\nmodel = "{path}"\n'
+    cfg.write_text(f'default_model = "bench"\n[server]\nhost = "127.0.0.1"\nport = {port}\n{server_table}[models.bench]\nmodel = "{path}"\n'
                    f'backend = "hf"\nscheduler = {{ max_num_seqs = {requests} }}\n[models.bench.backends.hf]\nnum_threads = {threads}\n')
     exe = Path(sys.executable).with_name("lmdock")
     environ = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}

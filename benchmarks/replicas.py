@@ -1,5 +1,5 @@
-"""``lmdock serve --replicas 2`` against ``--replicas 1`` and plain ``lmdock serve``: the same streamed
-workload, model and cores, in the same run.
+"""``lmdock serve --replicas 2`` against one Ray Serve replica and plain ``lmdock serve``: the same
+streamed workload, model and cores, in the same run.
 
 32 concurrent streaming ``/v1/completions`` requests (token-id prompts of 16-128 tokens, each with a
 prefix of its own, 64 greedy output tokens each, EOS ignored) on the ~100M random-weight Llama
@@ -8,9 +8,9 @@ Each server, one after the other, in a process group of its own on 127.0.0.1 (``
 unset, so ``--replicas 2`` starts a local Ray cluster of its own):
 
 - ``plain``: ``lmdock serve``, torch threads = ``--cores``;
-- ``replicas1``: ``lmdock serve --replicas 1``, torch threads = ``--cores``.  ``--replicas 1`` means
-  no Ray (``lmdock serve --help``), so this is plain ``lmdock serve`` again: its ratio to ``plain`` is
-  the run-to-run spread, not the Ray path's cost;
+- ``replicas1``: ``lmdock serve`` with one Ray Serve replica, torch threads = ``--cores``
+  (``[server] autoscaling = { min = 1, max = 1 }``: ``--replicas 1`` means no Ray), so its ratio to
+  ``plain`` is the Ray path's own cost (front end, routing, streaming through an actor);
 - ``replicas2``: ``lmdock serve --replicas 2``, each replica ``--cores`` / 2 torch threads (the same
   cores in all), requests routed by lmdock's prefix-affinity router (a prompt of 32 tokens or more
   goes to the replica its first 32 tokens hash to, a shorter one to the less loaded of two);
@@ -79,13 +79,16 @@ class Setup:
     engines: int  # engines in all (a process's replicas each run one)
     threads: int  # torch threads of each engine
     args: tuple[str, ...] = ()
+    server_table: str = ""
 
 
 def setups(cores: int) -> dict[str, Setup]:
     half = max(1, cores // 2)
     return {
         "plain": Setup("plain", "lmdock serve", 1, 1, cores),
-        "replicas1": Setup("replicas1", "lmdock serve --replicas 1 (no Ray)", 1, 1, cores, ("--replicas", "1")),
+        # one replica is served without Ray unless the autoscaler holds it (at one)
+        "replicas1": Setup("replicas1", "lmdock serve, 1 Ray Serve replica", 1, 1, cores,
+                           server_table="autoscaling = { min = 1, max = 1 }\n"),
         "replicas2": Setup("replicas2", "lmdock serve --replicas 2 (Ray Serve)", 1, 2, half, ("--replicas", "2")),
         "plain2": Setup("plain2", "2 x lmdock serve, requests alternated", 2, 2, half),
     }
@@ -107,7 +110,8 @@ async def measure(setup: Setup, path: str, args: argparse.Namespace, cycle: int)
         t0 = time.monotonic()
         for _ in range(setup.processes):
             tmp = Path(tempfile.mkdtemp(prefix=f"lmdock-bench-{setup.name}-"))
-            proc, port = start_hf_server(path, requests, setup.threads, tmp, setup.args, env={"RAY_ADDRESS": None})
+            proc, port = start_hf_server(path, requests, setup.threads, tmp, setup.args, env={"RAY_ADDRESS": None},
+                                         server_table=setup.server_table)
             servers.append((proc, port, tmp))
         for proc, port, tmp in servers:
             await wait_up(proc, port, args.start_timeout, setup.label, tmp / "server.log")
@@ -157,7 +161,7 @@ async def measure(setup: Setup, path: str, args: argparse.Namespace, cycle: int)
 
 #: the ratios printed, each with what it measures
 RATIOS = {
-    ("replicas1", "plain"): "--replicas 1 runs no Ray, the same code as plain: the run-to-run spread",
+    ("replicas1", "plain"): "the Ray path's own cost: one engine of all the threads, through Ray or not",
     ("replicas2", "replicas1"): "2 Ray replicas of half the threads each against one engine of all of them",
     ("replicas2", "plain"): "the Ray path and the split into replicas together",
     ("replicas2", "plain2"): "the Ray path's own cost: the same engines and threads, without Ray",

@@ -93,7 +93,9 @@ class ReplicaEngine:
 
     async def generate(self, request: Any) -> Any:
         """Yield ``(replica id, snapshot, stats)`` for ``request``, the engine's stats with the first and
-        the last snapshot (else None); cancelled (the client left), abort it."""
+        the last snapshot (else None); cancelled (the client left), abort it.  Snapshots are cumulative,
+        so of those queued while the last one was sent only the newest goes: a front end that reads
+        slower than the engine steps gets fewer, fuller ones (each costs a message through Ray)."""
         sink = AsyncQueueSink(asyncio.get_running_loop())
         engine = self.llm.engine
         engine.submit(request, sink)
@@ -102,6 +104,8 @@ class ReplicaEngine:
         try:
             while not finished:
                 item = await sink.queue.get()
+                while not first and not isinstance(item, BaseException) and not item.finished and not sink.queue.empty():
+                    item = sink.queue.get_nowait()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
