@@ -80,3 +80,28 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+#: the agent routes' template (``/v1/messages``, ``/v1/responses``): each message on its own line and
+#: the tools' names, Hermes-style (``<tool_call>``, so the parser is recognized from it), and a thinking
+#: span opened unless ``enable_thinking`` is off
+AGENT_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}. Call one as "
+    "<tool_call>.\n{% endif %}{% for m in messages %}{% if m.role == 'tool' %}Result {{ m.tool_call_id }}: {{ m.content }}\n"
+    "{% elif m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function.name }}</tool_call>{% endfor %}\n"
+    "{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt and (enable_thinking is not defined or enable_thinking) %}<think>\n{% endif %}"
+)
+#: the agent tests' tool arguments
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
+           "additionalProperties": False}
+
+
+def agent_server(tmp: Path) -> Server:
+    """stories260K as ``stories`` and as ``thinker`` (``reasoning_parser = "think"``), both with
+    :data:`AGENT_TEMPLATE`."""
+    (tmp / "template.jinja").write_text(AGENT_TEMPLATE, encoding="utf-8")
+    thinker = (f'[models.thinker]\nmodel = "{models_dir()}"\nbackend = "hf"\nreasoning_parser = "think"\n'
+               '[models.thinker.sampling]\ntemperature = 0.0\nmax_new_tokens = 40\n')
+    return Server(tmp, args=("--chat-template", str(tmp / "template.jinja"), "--model", "stories", "--model", "thinker"),
+                  extra_models=thinker)

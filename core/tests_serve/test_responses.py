@@ -20,29 +20,15 @@ import jsonschema
 import openai
 import pytest
 from pydantic import Field
-from serve_helpers import Server, models_dir
+from serve_helpers import WEATHER, Server, agent_server
 
-TEMPLATE = (
-    "{{ bos_token }}{% if tools %}Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}. Call one as "
-    "<tool_call>.\n{% endif %}{% for m in messages %}{% if m.role == 'tool' %}Result {{ m.tool_call_id }}: {{ m.content }}\n"
-    "{% elif m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function.name }}</tool_call>{% endfor %}\n"
-    "{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt and (enable_thinking is not defined or enable_thinking) %}<think>\n{% endif %}"
-)
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
-           "additionalProperties": False}
 TOOL = {"type": "function", "name": "get_weather", "description": "the weather", "parameters": WEATHER}
 FORCED = {"type": "function", "name": "get_weather"}
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("responses")
-    (tmp / "template.jinja").write_text(TEMPLATE, encoding="utf-8")
-    thinker = (f'[models.thinker]\nmodel = "{models_dir()}"\nbackend = "hf"\nreasoning_parser = "think"\n'
-               '[models.thinker.sampling]\ntemperature = 0.0\nmax_new_tokens = 40\n')
-    s = Server(tmp, args=("--chat-template", str(tmp / "template.jinja"), "--model", "stories", "--model", "thinker"),
-               extra_models=thinker)
+    s = agent_server(tmp_path_factory.mktemp("responses"))
     yield s
     s.stop()
 
