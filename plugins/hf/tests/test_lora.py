@@ -162,6 +162,19 @@ def test_max_loras_evicts_and_reloads(stories: str, adapters: dict[str, Path], r
         assert len(store.loaded) == 1 and store.loads == 3
 
 
+def test_a_batch_over_max_loras_reads_each_adapter_once(stories: str, adapters: dict[str, Path], refs: dict[Any, Any]) -> None:
+    """Two adapters in flight past max_loras = 1: a step keeps every adapter it runs (eviction is once
+    per step, not per forward, where the decode forward dropped the adapter a prefill forward of the
+    same step then read again).  One read more than the two is allowed: b, read at submit, may be
+    dropped by a step that runs only a before b's first step."""
+    with LLM(stories, backend="hf", build={"max_loras": 1}) as llm:
+        loras = [_lora(adapters, "a"), _lora(adapters, "b")]
+        outs = llm.generate([PROMPTS[0]] * 2, GREEDY, lora_request=loras)
+        for out, lora in zip(outs, loras):
+            _assert_matches(_lmdock(out), refs[lora.name, 0])
+        assert llm.engine.engine.adapters.loads <= 3
+
+
 def test_a_bad_adapter_fails_its_request_alone(lora_llm: LLM, adapters: dict[str, Path], tmp_path: Path, refs: dict[Any, Any]) -> None:
     with pytest.raises(RequestError, match=r"lora_request 'nope': .*adapter_config.json does not exist"):
         lora_llm.generate([PROMPTS[0]], GREEDY, lora_request=LoRARequest("nope", tmp_path))

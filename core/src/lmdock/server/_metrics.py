@@ -41,9 +41,6 @@ _GAUGES = {
 }
 
 
-#: ``[server] metric_names``: which names the engine gauges are exported under.
-METRIC_NAMES = ("lmdock", "vllm")
-
 #: vLLM's name for each engine gauge the inference gateway reads (KV-cache usage under both its names).
 _VLLM_GAUGES = {
     "num_requests_running": ("vllm:num_requests_running",),
@@ -157,8 +154,6 @@ class Metrics:
         self.model_load_seconds = Histogram("lmdock:model_load_seconds", "Time to load a model.", m, buckets=_E2E, registry=r)
         self.model_unloads = Counter("lmdock:model_unloads", "Models unloaded, by reason (evicted, keep_alive, request).",
                                      [*m, "reason"], registry=r)
-        if names not in METRIC_NAMES:
-            raise ValueError(f"metric_names must be one of {', '.join(METRIC_NAMES)}, got {names!r}")
         r.register(_EngineCollector(stats, vllm_names=names == "vllm"))
         if models is not None:
             r.register(_PoolCollector(models))

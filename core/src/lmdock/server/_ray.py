@@ -186,9 +186,10 @@ class RemoteEngine:
         (sent to it, as the front end counts them), waiting (sent to Ray Serve, not started on a replica
         yet), served in all; KV-cache usage, sequences held and preemptions as the replica last reported."""
         per: dict[str, dict[str, Any]] = {}
+        running = Counter(self.running.values())
         for replica in set(self.served) | set(self.reported):
             reported = self.reported.get(replica, {})
-            per[replica] = {"num_requests_running": sum(1 for r in self.running.values() if r == replica),
+            per[replica] = {"num_requests_running": running[replica],
                             "requests_total": self.served[replica],
                             **{k: reported[k] for k in ("kv_cache_usage_perc", "num_sequences_held", "num_preemptions_total")
                                if k in reported}}

@@ -24,10 +24,10 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         request = pending_request.args[0] if pending_request is not None and pending_request.args else None
-        ids = list(getattr(request, "prompt_token_ids", None) or ())
+        ids = (getattr(request, "prompt_token_ids", None) or ())[:PREFIX_TOKENS]
         if len(ids) < PREFIX_TOKENS or len(candidate_replicas) < 2:
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
-        key = ",".join(map(str, ids[:PREFIX_TOKENS]))
+        key = ",".join(map(str, ids))
 
         def weight(replica: RunningReplica) -> bytes:
             return hashlib.blake2b(f"{replica.replica_id.unique_id}/{key}".encode(), digest_size=8).digest()

@@ -30,7 +30,6 @@ from lmdock.server._responses_items import (
     input_messages,
 )
 from lmdock.server._responses_output import EventSequence, Outputs, assistant, new_id
-from lmdock.server._state import state_of
 
 router = APIRouter()
 
@@ -127,14 +126,12 @@ class ResponsesRequest(StrictBody):
 
 @router.post("/v1/responses")
 async def create(body: ResponsesRequest, request: Request) -> Response:
-    st = state_of(request)
-    name = (await st.model(body.model, request)).name
     store = _store(request)
     history = (*_previous(store, body.previous_response_id), *input_messages(body.input))
     if not history:
         raise APIError(400, "input is empty: give a string or at least one item", param="input")
-    turn = _Turn(body, name, history, store)
     run = await start_chat(body.chat(history), request, NAMES, body.stream)
+    turn = _Turn(body, run.model, history, store)
     if body.stream:
         seq = EventSequence(body.outputs())
         return typed_sse(request, run, turn.events(run.chunks(), seq), seq.error)

@@ -138,6 +138,8 @@ class HFStepEngine:
             last[i] = logits[-1]
             if c.all_logits:
                 full[c.seq_id] = logits
+        if self.adapters is not None:
+            self.adapters.evict(chunks)
         return StepOutput(last, full)
 
     def _forward(self, chunks: list[SeqChunk], all_logits: bool) -> np.ndarray:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 from lmdock import LoRARequest, RequestError
-from lmdock.backend import read_lora_adapter
+from lmdock.backend import SeqChunk, read_lora_adapter
 
 #: Adapters kept loaded when ``build.max_loras`` is not set.
 DEFAULT_MAX_LORAS = 8
@@ -102,7 +102,6 @@ class Adapters:
             for name, (a, b, scale) in adapter.modules.items():
                 self._wrap(name)
                 self.plan.setdefault(name, []).append((index, a, b, scale))
-        self._evict(keep=set(groups))
 
     def clear(self) -> None:
         self.plan = {}
@@ -115,7 +114,12 @@ class Adapters:
         setattr(parent, attr, LoRALinear(getattr(parent, attr), name, self))
         self._wrapped.add(name)
 
-    def _evict(self, keep: set[tuple[str, str]]) -> None:
+    def evict(self, chunks: Sequence[SeqChunk]) -> None:
+        """Past ``max_loras``, unload the least recently used adapters but those of ``chunks`` (once
+        per step: a step's forwards, one per group or chunk, all keep theirs)."""
+        if len(self.loaded) <= self.max_loras:
+            return
+        keep = {c.lora.key for c in chunks if c.lora is not None}
         with self._lock:
             for key in [k for k in self.loaded if k not in keep][: max(0, len(self.loaded) - self.max_loras)]:
                 del self.loaded[key]

@@ -254,6 +254,8 @@ class OffloadStepEngine(HFStepEngine):
                 if slot is not None:
                     self.streamer.release(slot)  # type: ignore[union-attr]
         self.forward_calls += 1
+        if self.adapters is not None:
+            self.adapters.evict(chunks)
         last = np.empty((len(chunks), self.vocab_size), dtype=np.float32)
         full: dict[int, np.ndarray] = {}
         for idx, g in zip(order, groups):

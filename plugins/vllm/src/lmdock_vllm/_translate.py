@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from typing import Any
 
 from lmdock import ModelConfig, QuantConfig, RequestError, SamplingParams, UnsupportedError
@@ -120,14 +121,20 @@ LORA_OFF = ("lora_request {name!r}: this vLLM engine was started without LoRA (v
 class LoRAIds:
     """vLLM's ``lora_int_id`` for each adapter: vLLM keys its loaded adapters by this id alone, so one
     id must always mean one adapter folder.  A request's own ``int_id`` is kept; adapters without one
-    get the lowest id not yet taken."""
+    get the lowest id not yet taken.  Requests are submitted from any thread, so one lock makes each
+    choice (two new adapters must never take the same id)."""
 
     def __init__(self) -> None:
         self._ids: dict[tuple[str, str], int] = {}
         self._taken: set[int] = set()
+        self._lock = threading.Lock()
 
     def of(self, lora: Any) -> int:
         """The id for ``lora`` (an lmdock LoRARequest); RequestError if its int_id names another adapter."""
+        with self._lock:
+            return self._of(lora)
+
+    def _of(self, lora: Any) -> int:
         known = self._ids.get(lora.key)
         if lora.int_id is not None:
             if known is not None and known != lora.int_id or known is None and lora.int_id in self._taken:
