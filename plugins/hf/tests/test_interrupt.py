@@ -24,7 +24,10 @@ def _interrupt_once(model: str, delay: float) -> tuple[int, str]:
     # once finished all 400 tokens within the delay, and the signal met the interpreter's exit)
     cmd = [sys.executable, "-m", "lmdock", "generate", "--stream", "--json", "-m", model, "--backend", "hf",
            "--ignore-eos", "--max-new-tokens", "400", "--temperature", "1", "Once upon a time"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    # SIGINT as a terminal's foreground command has it: a test run started in the background (`cmd &`,
+    # nohup) ignores SIGINT, the command would inherit that and never see the Ctrl-C
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     fcntl.fcntl(proc.stdout.fileno(), fcntl.F_SETPIPE_SZ, 4096)  # type: ignore[union-attr]
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 180)
