@@ -42,6 +42,12 @@ class RequestError(LmdockError, ValueError):
     """One request is invalid (empty prompt, too long, bad parameters).  Only that request fails."""
 
 
+class GrammarError(RequestError):
+    """A request's grammar (structured output, or the tool-call grammar built from its tools) was
+    refused by the grammar check: it does not compile, crashed or outran the compiler in a worker
+    process, or can never produce a token.  The message names which; the process is unharmed."""
+
+
 class QueueFullError(LmdockError):
     """The engine's waiting queue is full; retry later or raise ``scheduler.max_waiting``."""
 

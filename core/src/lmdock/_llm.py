@@ -92,6 +92,7 @@ class LLM:
     def _setup(self, model: str | os.PathLike[str] | None, backend: str | None, config: str | os.PathLike[str] | None,
                options: dict[str, Any], load: Callable[[ModelConfig], tuple[RequestEngine, BackendSpec]]) -> None:
         self._engine: RequestEngine | None = None
+        self._grammar_check: Any = None
         model, options, after = constructor_options(model, options)
         serve_only = [k for k in SERVE_ONLY_KEYS if k in options]
         if serve_only:
@@ -217,6 +218,7 @@ class LLM:
             ok, reason = self.backend.capability("structured_output")
             if not ok:
                 raise RequestError(f"structured_output: backend {self.backend.name!r} cannot constrain its output ({reason}); pick a backend that lists structured_output in `lmdock backends`")
+            self.check_grammar(params)
         if params.logits_processors and self.backend.kind == "request":
             raise RequestError(f"logits_processors: backend {self.backend.name!r} samples inside its engine, where lmdock cannot run "
                                "Python callables; use a step backend (hf, onnx, mlx, llamacpp) or structured_output")
@@ -228,6 +230,27 @@ class LLM:
                 raise RequestError(f"{asked}: backend {self.backend.name!r} cannot bias or ban tokens ({reason}); remove it, or pick a "
                                    "backend that lists logit_bias in `lmdock backends`")
         return EngineRequest(f"req-{next(_ids)}", text, ids, params, stream, lora_request)
+
+    def check_grammar(self, params: SamplingParams) -> None:
+        """Check ``params.structured_output`` in a grammar-check worker process (compiled, its first
+        steps run, under a deadline; the verdict cached per grammar): raise :class:`lmdock.GrammarError`
+        naming why it cannot run.  Every request is checked before it is submitted; call this first
+        to have the check's wait (a fresh grammar: milliseconds to seconds) where you want it."""
+        if params.structured_output is not None:
+            self._grammars().check(params.structured_output)
+
+    async def acheck_grammar(self, params: SamplingParams) -> None:
+        """:meth:`check_grammar` for an event loop (the check runs on a thread); ``lmdock serve``
+        awaits it before it submits, so its loop never waits for a compile."""
+        if params.structured_output is not None and self.backend.capability("structured_output")[0]:
+            await self._grammars().acheck(params.structured_output)
+
+    def _grammars(self) -> Any:
+        from lmdock._grammar_check import GrammarCheck
+
+        if self._grammar_check is None:  # the tokenizer is read on the first structured request
+            self._grammar_check = GrammarCheck(self.tokenizer)
+        return self._grammar_check
 
     def _encode(self, text: str, add_special_tokens: bool, tokenizer_kwargs: dict[str, Any] | None) -> list[int]:
         kwargs = {"add_special_tokens": add_special_tokens, **(tokenizer_kwargs or {})}

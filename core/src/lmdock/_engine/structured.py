@@ -11,6 +11,10 @@ objects (one llguidance matcher per completion) or None when the request has no 
   (lmdock-llamacpp's GGUF vocabulary, through llguidance's llama.cpp reader).
 - Each distinct grammar is compiled once per factory (that is, per tokenizer) and kept (least recently
   used out past :data:`CACHE_SIZE`); every completion gets a deep copy of the compiled matcher.
+  The compile runs on a thread of its own with :data:`COMPILE_STACK` of stack (llguidance recurses
+  over a grammar's rules), with lmdock's :func:`parser_limits`, and computes the first mask there, so
+  the engine thread's first step of a new grammar finds its lexer states built.  A grammar from a
+  request reaches this module only after :mod:`lmdock._grammar_check` passed it in a worker process.
 - EOS is allowed exactly where the grammar accepts; the engine's EOS ids are llguidance's EOS tokens.
 - A JSON schema is compiled with what it leaves open bounded (:mod:`lmdock._json_schemas`): objects
   that list their properties take no others unless they say so, numbers get bounds, so a model cannot
@@ -42,6 +46,12 @@ CACHE_SIZE = 128
 #: budget on spaces; a schema may override with its own ``"x-guidance"`` options.
 JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False}
 
+#: The compile thread's stack: llguidance recurses over a grammar's rules, and the grammar check's
+#: worker probes with an eighth of this (``lmdock._grammar_worker.PROBE_STACK``), so what passed there
+#: cannot overflow here.
+COMPILE_STACK = 64 << 20
+_stack_lock = threading.Lock()
+
 
 
 def _llguidance() -> Any:
@@ -70,11 +80,44 @@ def grammar_for(so: Any) -> tuple[str, str]:
         return "choice", M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in so.choice))
     grammar = so.grammar
     if "::=" in grammar:  # GBNF (llama.cpp's grammar syntax): llguidance converts it to Lark
+        # a module of llguidance (1.7 to 1.9 at least) whose function has the module's name
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
         try:
-            grammar = llg.gbnf_to_lark(grammar)
+            grammar = gbnf_to_lark(grammar)
         except Exception as exc:
             raise RequestError(f"structured_output.grammar: this GBNF grammar cannot be converted: {exc}") from exc
     return "grammar", M.grammar_from_lark(grammar)
+
+
+def parser_limits() -> Any:
+    """llguidance's parser limits for every grammar lmdock compiles (its defaults, in one place: the
+    worker's check and the engine must compile under the same ones)."""
+    return _llguidance().LLParserLimits()
+
+
+def on_big_stack(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` on a fresh thread with :data:`COMPILE_STACK` of stack; its result or its error."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append((True, fn(*args)))
+        except BaseException as exc:  # handed to the caller below
+            out.append((False, exc))
+
+    with _stack_lock:  # threading.stack_size is process-wide: set it for this thread only
+        old = threading.stack_size(COMPILE_STACK)
+        try:
+            thread = threading.Thread(target=run, name="lmdock-grammar-compile")
+            thread.start()
+        finally:
+            threading.stack_size(old)
+    thread.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
 
 
 class GrammarConstraint:
@@ -163,14 +206,21 @@ class ConstraintFactory:
             if proto is not None:
                 self._cache.move_to_end(grammar)
                 return proto
-        llg = _llguidance()
-        proto = llg.LLMatcher(tok, grammar, log_level=0)
+        proto = on_big_stack(self._compile, tok, grammar)
         if proto.is_error():
             raise RequestError(f"structured_output.{form}: llguidance cannot compile it: {proto.get_error()}")
         with self._lock:
             self._cache[grammar] = proto
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
+        return proto
+
+    def _compile(self, tok: Any, grammar: str) -> Any:
+        """A matcher with its first mask computed (its copies start with the lexer states built)."""
+        llg = _llguidance()
+        proto = llg.LLMatcher(tok, grammar, log_level=0, limits=parser_limits())
+        if not proto.is_error():
+            proto.compute_bitmask()
         return proto
 
     def fill_masks(self, constraints: Sequence[GrammarConstraint], out: np.ndarray) -> None:

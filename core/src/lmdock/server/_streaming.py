@@ -60,6 +60,7 @@ async def engine_stream(st: ServerState, sm: ServedModel, prompt: str | list[int
     context leaves is a 400 (as vLLM and OpenAI answer), where a default is cut at the context.
     ``lora_request``: the adapter a ``NAME:ADAPTER`` model name asked for, or None."""
     llm = sm.llm
+    await llm.acheck_grammar(params)  # in a worker process, off this loop (lmdock._grammar_check)
     request = llm.make_request(prompt, params, stream=True, add_special_tokens=add_special_tokens, lora_request=lora_request)
     if max_tokens_field is not None:
         room = llm.max_model_len - len(request.prompt_token_ids)
@@ -69,7 +70,7 @@ async def engine_stream(st: ServerState, sm: ServedModel, prompt: str | list[int
                            param=max_tokens_field)
     sink = AsyncQueueSink(asyncio.get_running_loop())
     timer = RequestTimer(st.metrics, sm.name)
-    llm.engine.submit(request, sink)
+    await submit(llm, request, sink)
     finished = False
     try:
         while True:
@@ -91,6 +92,20 @@ async def engine_stream(st: ServerState, sm: ServedModel, prompt: str | list[int
     finally:
         if not finished:
             llm.engine.abort(request.request_id)
+
+
+async def submit(llm: Any, request: Any, sink: Any) -> None:
+    """Submit ``request``; one with a grammar on a thread, where the engine compiles it (checked
+    already, but a big one still takes a while), so this loop does not wait for it."""
+    if request.params.structured_output is None:
+        llm.engine.submit(request, sink)
+        return
+    done = asyncio.ensure_future(asyncio.to_thread(llm.engine.submit, request, sink))
+    try:
+        await asyncio.shield(done)
+    except asyncio.CancelledError:  # the client left while it compiled: abort it once it is in
+        done.add_done_callback(lambda f: f.cancelled() or f.exception() or llm.engine.abort(request.request_id))
+        raise
 
 
 async def submit_admitted(request: Request, st: ServerState, sm: ServedModel, prompts: list[Any], params: Any,
