@@ -177,3 +177,30 @@ def test_the_builtin_hook_answers_with_the_llguidance_factory() -> None:
     reg = get_registry()
     made = reg.pm.hook.lmdock_make_constraints(backend="any", model_config=None, tokenizer=_Tokenizer(), vocab_size=VOCAB, eos_token_ids=(EOS,))
     assert isinstance(made, ConstraintFactory) and made.eos_token_ids == (EOS,)
+
+
+GBNF = [  # (llama.cpp GBNF grammar, a Python regex for the same language: the independent check)
+    ('root ::= "The " animal " is " color "."\nanimal ::= "cat" | "dog" | "bird"\ncolor ::= "red" | "blue"',
+     r"The (cat|dog|bird) is (red|blue)\."),
+    ('root ::= word (" " word){1,2} "."\nword ::= [a-z]{2,5}', r"[a-z]{2,5}( [a-z]{2,5}){1,2}\."),
+    ('root ::= "id-" [0-9]+ ("-" [A-Z])?', r"id-[0-9]+(-[A-Z])?"),
+]
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("gbnf, regex", GBNF, ids=["alternatives", "repetition", "optional"])
+def test_gbnf_grammars_constrain_walks_to_their_language(factory: Any, gbnf: str, regex: str, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    (c,) = factory(_params(grammar=gbnf), 1)
+    # prefer EOS where allowed after a few tokens, so unbounded repetitions end
+    ids = _walk(factory, c, lambda allowed: EOS if EOS in allowed and rng.random() < 0.3 else rng.choice(allowed), limit=40)
+    text = _Tokenizer().decode([i for i in ids if i != EOS])
+    if c.is_complete() or (ids and ids[-1] == EOS):
+        assert re.fullmatch(regex, text), (gbnf, text)
+    else:  # cut by the walk's limit: a prefix of the language
+        assert len(ids) == 40
+
+
+def test_a_gbnf_grammar_that_cannot_be_converted_names_it(factory: Any) -> None:
+    with pytest.raises(RequestError, match=r"structured_output\.grammar: this GBNF grammar cannot be converted"):
+        factory(_params(grammar='root ::= "unclosed'), 1)

@@ -15,7 +15,7 @@ import re
 from typing import Any
 
 import pytest
-from lmdock import LmdockError, RequestError, SamplingParams
+from lmdock import GrammarError, LmdockError, RequestError, SamplingParams
 
 pytestmark = pytest.mark.requires("structured_output")
 
@@ -128,6 +128,50 @@ def test_lark_grammar_and_json_object(llm: Any) -> None:
         assert isinstance(json.loads(out.text), dict)
     else:
         assert out.text.startswith("{") and len(out.token_ids) == BUDGET
+
+
+#: GBNF (llama.cpp's grammar syntax) and, for the independent check, a Python regex of the same language
+GBNF = [
+    ('root ::= "The " animal " is " color "."\nanimal ::= "cat" | "dog" | "bird"\ncolor ::= "red" | "blue"',
+     r"The (cat|dog|bird) is (red|blue)\."),
+    ('root ::= word (" " word){1,2} "."\nword ::= [a-z]{2,5}', r"[a-z]{2,5}( [a-z]{2,5}){1,2}\."),
+]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_gbnf_grammars_full_match_their_language(llm: Any, mode: str) -> None:
+    outs = llm.generate(PROMPTS[: len(GBNF)], [_params(mode, {"grammar": g}) for g, _ in GBNF])
+    for (gbnf, regex), o in zip(GBNF, outs):
+        out = o.outputs[0]
+        assert out.finish_reason == "stop" and re.fullmatch(regex, out.text), (gbnf, out.text)
+
+
+def _chained_lark(n: int) -> str:
+    return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(n)) + f'r{n}: "x"\n'
+
+
+def _chained_defs(n: int) -> dict[str, Any]:
+    defs: dict[str, Any] = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    defs[f"d{n}"] = {"type": "string", "maxLength": 3}
+    return {"type": "object", "properties": {"x": {"$ref": "#/$defs/d0"}}, "required": ["x"], "$defs": defs}
+
+
+@pytest.mark.parametrize("so", [{"grammar": _chained_lark(5000)}, {"json": _chained_defs(5000)}], ids=["lark-5000-rules", "json-defs-5000-deep"])
+def test_a_grammar_that_crashes_the_grammar_compiler_is_refused_and_the_process_lives_on(llm: Any, so: dict) -> None:
+    """5,000 chained rules overflow llguidance's stack: lmdock compiles a request's grammar in a worker
+    process first, so the worker dies, the request gets GrammarError, and this process serves on."""
+    with pytest.raises(GrammarError, match="structured_output"):
+        llm.generate("Once upon a time", _params("greedy", so))
+    out = llm.generate("Once upon a time", _params("greedy", {"choice": CHOICES}))[0].outputs[0]
+    assert out.text in CHOICES and out.finish_reason == "stop"
+
+
+def test_a_regex_that_can_produce_no_token_is_refused_before_it_runs(llm: Any) -> None:
+    params = _params("greedy", {"regex": r"[^\s\S]"})  # matches no character: not even a first token fits
+    with pytest.raises(GrammarError, match="cannot produce a first token"):
+        llm.check_grammar(params)  # the check alone, no engine step
+    with pytest.raises(GrammarError, match="cannot produce a first token"):
+        llm.generate_async("Once upon a time", params)  # refused at submit, before any step
 
 
 def test_budget_reached_mid_document_is_length(llm: Any) -> None:

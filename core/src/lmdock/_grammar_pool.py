@@ -62,7 +62,7 @@ class _Worker:
     def _failed(self, how: str) -> WorkerFailed:
         self.kill()
         if how == "timeout":
-            return WorkerFailed(f"it did not compile within {DEADLINE_S:g} s")
+            return WorkerFailed("timeout")
         code = self.proc.returncode
         what = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit status {code}"
         return WorkerFailed(f"it crashed the grammar compiler ({what})")
@@ -103,7 +103,7 @@ class GrammarPool:
             reply = self._ask(worker, key, spec, fields)
         except WorkerFailed as exc:
             self._idle.put(None)  # dead: its place gets a fresh worker on next use
-            return exc.reason
+            return f"it did not compile within {self.deadline_s:g} s" if exc.reason == "timeout" else exc.reason
         except BaseException:  # interrupted mid-job: its reply would answer the next job
             worker.kill()
             self._idle.put(None)
