@@ -132,7 +132,12 @@ def test_snapshots_waiting_together_go_out_as_one() -> None:
     from lmdock.server._streaming import engine_stream
 
     engine = FakeStreamingEngine()
-    llm = SimpleNamespace(engine=engine, make_request=lambda prompt, params, stream, add_special_tokens, lora_request=None: SimpleNamespace(request_id="r1"))
+    async def no_grammar(params: Any) -> None:  # the request has none to check
+        pass
+
+    request = SimpleNamespace(request_id="r1", params=SimpleNamespace(structured_output=None))
+    llm = SimpleNamespace(engine=engine, acheck_grammar=no_grammar,
+                          make_request=lambda prompt, params, stream, add_special_tokens, lora_request=None: request)
     metrics = Metrics(lambda: {})
     state = ServerState(models={}, settings=ServerConfig(), api_key=None, metrics=metrics, pool=ServedPool({}, ServerConfig(), metrics))
 

@@ -35,6 +35,7 @@ from lmdock._errors import ConfigError, EngineClosedError
 from lmdock._params import ModelConfig
 from lmdock._replicas import ReplicaPlan
 from lmdock._sinks import AsyncQueueSink
+from lmdock.server._streaming import submit
 
 #: the Ray Serve application holding model NAME's replicas
 APP_PREFIX = "lmdock-"
@@ -98,7 +99,7 @@ class ReplicaEngine:
         slower than the engine steps gets fewer, fuller ones (each costs a message through Ray)."""
         sink = AsyncQueueSink(asyncio.get_running_loop())
         engine = self.llm.engine
-        engine.submit(request, sink)
+        await submit(engine, request, sink)  # a grammar compiles off this replica's loop
         finished = False
         first = True
         try:
@@ -131,6 +132,9 @@ class RemoteEngine:
         self.served: Counter[str] = Counter()
         #: each replica's stats as it last sent them (with a request's first and last snapshot)
         self.reported: dict[str, dict[str, Any]] = {}
+
+    #: submit schedules a task on the server's loop (the replicas compile grammars): call it there
+    submit_on_loop = True
 
     def __getattr__(self, attr: str) -> Any:
         try:

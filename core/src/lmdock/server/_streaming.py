@@ -70,7 +70,7 @@ async def engine_stream(st: ServerState, sm: ServedModel, prompt: str | list[int
                            param=max_tokens_field)
     sink = AsyncQueueSink(asyncio.get_running_loop())
     timer = RequestTimer(st.metrics, sm.name)
-    await submit(llm, request, sink)
+    await submit(llm.engine, request, sink)
     finished = False
     try:
         while True:
@@ -94,17 +94,19 @@ async def engine_stream(st: ServerState, sm: ServedModel, prompt: str | list[int
             llm.engine.abort(request.request_id)
 
 
-async def submit(llm: Any, request: Any, sink: Any) -> None:
+async def submit(engine: Any, request: Any, sink: Any) -> None:
     """Submit ``request``; one with a grammar on a thread, where the engine compiles it (checked
-    already, but a big one still takes a while), so this loop does not wait for it."""
-    if request.params.structured_output is None:
-        llm.engine.submit(request, sink)
+    already, but a big one still takes a while), so this loop does not wait for it.  An engine whose
+    ``submit`` must run on the loop and compiles nothing here says so: ``submit_on_loop = True``
+    (the Ray front end's, whose replicas compile)."""
+    if request.params.structured_output is None or getattr(engine, "submit_on_loop", False):
+        engine.submit(request, sink)
         return
-    done = asyncio.ensure_future(asyncio.to_thread(llm.engine.submit, request, sink))
+    done = asyncio.ensure_future(asyncio.to_thread(engine.submit, request, sink))
     try:
         await asyncio.shield(done)
     except asyncio.CancelledError:  # the client left while it compiled: abort it once it is in
-        done.add_done_callback(lambda f: f.cancelled() or f.exception() or llm.engine.abort(request.request_id))
+        done.add_done_callback(lambda f: f.cancelled() or f.exception() or engine.abort(request.request_id))
         raise
 
 
