@@ -128,3 +128,18 @@ def test_bad_grammars_are_refused_naming_the_field(pool: Any) -> None:
         check.check(StructuredOutput(regex="[a-z"))
     with pytest.raises(GrammarError, match=r"structured_output\.grammar: this GBNF grammar cannot be converted"):
         check.check(StructuredOutput(grammar='root ::= "a'))
+
+
+def test_a_tokenizer_without_a_tokenizers_json_is_checked_against_a_byte_level_stand_in(pool: Any) -> None:
+    from lmdock._grammar_check import GrammarCheck, tokenizer_spec
+
+    class GGUFLike:  # lmdock-llamacpp's tokenizer: no Hugging Face backend to send to a worker
+        eos_token_id = 2
+
+    assert tokenizer_spec(GGUFLike()) == ("bytes",)
+    check = GrammarCheck(GGUFLike(), pool)
+    check.check(StructuredOutput(grammar='root ::= "stand" [a-z]+'))
+    with pytest.raises(GrammarError, match="crashed the grammar compiler"):
+        check.check(StructuredOutput(grammar=chained_lark(tag="b")))
+    with pytest.raises(GrammarError, match="cannot produce a first token"):
+        check.check(StructuredOutput(regex=r"[^\s\S]"))

@@ -67,6 +67,19 @@ def test_the_exact_greedy_text_through_a_replica(replicas: Server) -> None:
     assert "".join(ch.choices[0].text for ch in stream if ch.choices) == DOCUMENTED  # streamed from the replica
 
 
+def test_grammars_constrain_through_a_replica_and_a_crashing_one_is_a_400(replicas: Server) -> None:
+    """The front end checks the grammar in its worker processes (issue 39), then the replica compiles it
+    off its event loop; 5,000 chained Lark rules crash the check's worker, not a process that serves."""
+    reply = _client(replicas).completions.create(model="stories", prompt="Once upon a time", max_tokens=10,
+                                                 extra_body={"guided_choice": ["yes", "no"]})
+    assert reply.choices[0].text in ("yes", "no")
+    lark = "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(5000)) + 'r5000: "x"\n'
+    r = httpx.post(f"{replicas.url}/v1/completions", json={"model": "stories", "prompt": "Once", "max_tokens": 5,
+                                                           "guided_grammar": lark}, timeout=120)
+    assert r.status_code == 400 and "crashed the grammar compiler" in r.json()["error"]["message"], r.text
+    assert _complete(replicas) == DOCUMENTED
+
+
 def test_40_concurrent_requests_all_succeed_on_both_replicas(replicas: Server) -> None:
     before = _served(replicas)
     with ThreadPoolExecutor(40) as pool:

@@ -201,6 +201,7 @@ def lmdock_make_constraints(backend: str, model_config: ModelConfig, tokenizer: 
         :class:`lmdock._engine.constraints.Constraint` interface: ``allowed(out)``, ``accept(token)``,
         ``is_complete()``) for a request with ``structured_output``, or None for one without; it
         raises :class:`lmdock.RequestError` naming the problem when a grammar or schema cannot be
-        compiled (that request fails alone).  The callable may carry ``fill_masks(constraints, out)``,
+        compiled (that request fails alone).  Grammars reach it only after ``LLM``'s grammar check
+        passed them (compiled by llguidance in a worker process: ``docs/structured-output.md``).  The callable may carry ``fill_masks(constraints, out)``,
         which fills a whole batch's boolean masks at once.  Return None to decline.
     """
