@@ -87,8 +87,6 @@ class _ByteTokenizer:
 def probe(tokenizer: Any, fields: dict[str, Any]) -> str | None:
     """None if the grammar is fit to compile in the engine, else why not."""
     import llguidance
-    import llguidance.numpy
-    import numpy as np
 
     from lmdock._engine.structured import grammar_for, parser_limits
     from lmdock._errors import RequestError
@@ -105,10 +103,19 @@ def probe(tokenizer: Any, fields: dict[str, Any]) -> str | None:
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
     if matcher.is_error():
         return f"structured_output.{form}: llguidance cannot compile it: {matcher.get_error()}"
+    return first_steps(matcher, tokenizer.vocab_size, form)
+
+
+def first_steps(matcher: Any, vocab_size: int, form: str) -> str | None:
+    """Walk :data:`PROBE_STEPS` steps as the engine would (masks by llguidance's executor, then the
+    first allowed token); why the grammar cannot run, or None."""
+    import llguidance
+    import llguidance.numpy
+    import numpy as np
+
     executor = llguidance.LLExecutor()
-    words = (tokenizer.vocab_size + 31) // 32
     for step in range(PROBE_STEPS):
-        bitmask = np.zeros((1, words), dtype=np.int32)
+        bitmask = np.zeros((1, (vocab_size + 31) // 32), dtype=np.int32)
         start = time.perf_counter()
         llguidance.numpy.fill_next_token_bitmask_par(executor, [(matcher, 0)], bitmask)
         took = time.perf_counter() - start
@@ -120,11 +127,9 @@ def probe(tokenizer: Any, fields: dict[str, Any]) -> str | None:
         if took > STEP_BUDGET_S:
             return (f"structured_output.{form}: computing the allowed tokens at token {step + 1} took {took:.1f} s "
                     f"(the limit is {STEP_BUDGET_S} s a step, which would stall every other request); simplify the grammar")
-        allowed = np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little")[: tokenizer.vocab_size])
+        allowed = np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:vocab_size])
         if allowed.size == 0:
-            if step == 0:
-                return f"structured_output.{form}: the grammar allows no token at all; it can never be satisfied"
-            return None
+            return f"structured_output.{form}: the grammar allows no token at all; it can never be satisfied" if step == 0 else None
         if matcher.is_stopped() or not matcher.consume_token(int(allowed[0])):
             return None
     return None
