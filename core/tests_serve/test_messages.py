@@ -110,7 +110,7 @@ def test_errors_have_anthropics_shape(served: Server) -> None:
              ({"max_tokens": 5, "messages": []}, "at least 1"),
              ({"max_tokens": 5, "messages": ASK, "tool_choice": {"type": "any"}}, "'any' needs tools"),
              ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'image' block"),
-             ({"max_tokens": 5, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+             ({"max_tokens": 5, "messages": ASK, "thinking": {"type": "bogus"}}, "thinking"),
              ({"max_tokens": 5, "messages": ASK, "tools": [{"type": "bash_20250124", "name": "bash"}]}, "client tools only")]
     for kw, words in cases:
         with pytest.raises(anthropic.BadRequestError) as e:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -37,6 +37,9 @@ from lmdock.server._templates import check_request_template, render_bounded
 
 router = APIRouter()
 
+#: adjusts a chat body to the model that serves it, before rendering (see :func:`render`)
+Prepare = Callable[[ServedModel, ChatRequest], None]
+
 
 @router.post("/v1/chat/completions")
 async def chat(body: ChatRequest, request: Request) -> Response:
@@ -46,11 +49,12 @@ async def chat(body: ChatRequest, request: Request) -> Response:
     return JSONResponse(await run.whole())
 
 
-async def start_chat(body: ChatRequest, request: Request) -> ChatRun:
+async def start_chat(body: ChatRequest, request: Request, prepare: Prepare | None = None) -> ChatRun:
     """Admit, render and submit a chat request: the :class:`ChatRun` to read it from.  Raises
-    :class:`APIError` (400 naming the field, 404, 429...) before anything is sent."""
+    :class:`APIError` (400 naming the field, 404, 429...) before anything is sent.  ``prepare``: see
+    :func:`render`."""
     st = state_of(request)
-    sm, plan, prompt = await render(body, request)
+    sm, plan, prompt = await render(body, request, prepare)
     try:
         params = sm.llm.constrained(st.sampling_params(sm, body.overrides(), body), plan)
     except LmdockError as exc:
@@ -64,11 +68,14 @@ async def start_chat(body: ChatRequest, request: Request) -> ChatRun:
     return run
 
 
-async def render(body: ChatRequest, request: Request) -> tuple[ServedModel, Any, str]:
+async def render(body: ChatRequest, request: Request, prepare: Prepare | None = None) -> tuple[ServedModel, Any, str]:
     """The model, the tools' plan and the prompt a chat request renders to: what :func:`start_chat`
-    submits, and what ``/v1/messages/count_tokens`` counts."""
+    submits, and what ``/v1/messages/count_tokens`` counts.  ``prepare(sm, body)``, once the model is
+    known, adjusts the body to it (the agent routes set the template's reasoning knob there)."""
     st = state_of(request)
     sm = await st.model(body.model, request, body.keep_alive)
+    if prepare is not None:
+        prepare(sm, body)
     plan = _plan(sm, body, st.retry_after)
     return sm, plan, await _render(st, sm, body, plan)
 
