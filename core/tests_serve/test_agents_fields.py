@@ -199,3 +199,40 @@ def test_codexs_first_request_answers(served: Server) -> None:
     assert r.status_code == 200, r.text
     assert r.headers[HEADER] == "prompt_cache_key, client_metadata, tools[2] (web_search: no search backend)"
     assert "event: response.completed" in r.text or "event: response.incomplete" in r.text
+
+
+ENV = {"type": "object", "properties": {"env": {"type": "object", "propertyNames": {"type": "string"},
+                                                "properties": {"HOME": {"type": "string", "maxLength": 4}}, "required": ["HOME"]}},
+       "required": ["env"], "additionalProperties": False}
+TAGS = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2,
+                                                  "uniqueItems": True}}, "required": ["tags"], "additionalProperties": False}
+
+
+def test_a_keyword_the_grammar_lacks_is_loosened_not_refused(served: Server) -> None:
+    """Claude Code's tools carry ``propertyNames: {type: string}`` (a no-op: dropped unnamed); ``uniqueItems``
+    is loosened, named, and the call checked after generation."""
+    tools = [TOOL, {"name": "run", "input_schema": ENV}, {"name": "tag", "input_schema": TAGS}]
+    for name, schema in (("run", ENV), ("tag", TAGS)):
+        r = messages(served, {"max_tokens": 200, "tools": tools, "tool_choice": {"type": "tool", "name": name}})
+        assert r.status_code == 200, r.text
+        assert r.headers.get(HEADER) == "tools.tag: uniqueItems (loosened; checked after generation)"
+        (call,) = [b for b in r.json()["content"] if b["type"] == "tool_use"]
+        try:
+            jsonschema.validate(call["input"], schema)
+        except jsonschema.ValidationError as exc:  # only what was loosened may fail, and then it is named
+            assert exc.validator == "uniqueItems" and "x-lmdock-invalid-arguments" in r.headers, exc
+        else:
+            assert "x-lmdock-invalid-arguments" not in r.headers
+
+
+def test_a_response_format_keyword_the_grammar_lacks_is_named(served: Server) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6, "not": {"const": "x"}}},
+              "required": ["name"], "additionalProperties": False}
+    r = httpx.post(f"{served.url}/v1/chat/completions", timeout=120, json={
+        "model": "stories", "max_tokens": 40, "messages": ASK,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}})
+    assert r.status_code == 200, r.text
+    assert r.headers[HEADER] == "response_format: not (loosened)"
+    json.loads(r.json()["choices"][0]["message"]["content"])
+    r = responses(served, {"max_output_tokens": 40, "text": {"format": {"type": "json_schema", "name": "n", "schema": schema}}})
+    assert r.status_code == 200 and r.headers[HEADER] == "text.format: not (loosened)", r.text

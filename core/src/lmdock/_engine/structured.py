@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from lmdock._errors import RequestError
-from lmdock._json_schemas import bounded_numbers, closed_objects
+from lmdock._json_schemas import bounded_numbers, closed_objects, loosened
 
 #: compiled grammars kept per tokenizer
 CACHE_SIZE = 128
@@ -60,7 +60,7 @@ def grammar_for(so: Any) -> tuple[str, str]:
     schema = so.json_schema()
     if schema is not None:
         try:
-            return "json", M.grammar_from_json_schema(bounded_numbers(closed_objects(schema)), defaults=JSON_DEFAULTS)
+            return "json", M.grammar_from_json_schema(bounded_numbers(closed_objects(loosened(schema)[0])), defaults=JSON_DEFAULTS)
         except (ValueError, TypeError) as exc:
             raise RequestError(f"structured_output.json: the schema cannot be read: {exc}") from exc
     if so.regex is not None:

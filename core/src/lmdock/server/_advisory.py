@@ -14,10 +14,14 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from lmdock._json_schemas import loosened
+
 log = logging.getLogger("lmdock.server")
 
-#: the response header naming the advisory fields a request carried
+#: the response header naming the advisory fields a request carried (and the schema keywords loosened)
 HEADER = "x-lmdock-ignored"
+#: the response header naming the calls whose arguments fail a loosened keyword (a whole response only)
+INVALID_HEADER = "x-lmdock-invalid-arguments"
 
 
 @dataclass(frozen=True)
@@ -91,17 +95,38 @@ class Ignored:
 
     def __init__(self) -> None:
         self.names: list[str] = []
+        self.invalid: list[str] = []  # calls that fail a loosened keyword
 
     def add(self, name: str) -> None:
         if name not in self.names:
             self.names.append(name)
 
+    def loosened(self, plan: Any, response_format: Any, field: str) -> None:
+        """The schema keywords the grammar engine could not hold: each tool's (checked on the calls
+        after generation, see :meth:`check`) and the response format's (``field``: its name here)."""
+        if plan.reads_calls:
+            for name, keywords in plan.loosened.items():
+                for keyword in keywords:
+                    self.add(f"tools.{name}: {keyword} (loosened; checked after generation)")
+        schema = ((response_format or {}).get("json_schema") or {}).get("schema")
+        for keyword in loosened(schema)[1] if isinstance(schema, dict) else ():
+            self.add(f"{field}: {keyword} (loosened)")
+
+    def check(self, plan: Any, completion: dict[str, Any]) -> dict[str, Any]:
+        """A whole chat completion, its calls checked against the keywords their schemas lost."""
+        for choice in completion.get("choices", ()):
+            self.invalid += plan.invalid(choice.get("message", {}).get("tool_calls") or [])
+        return completion
+
     def apply(self, response: Any, route: str) -> Any:
-        """``response`` with the header naming them (and a log line), when there are any."""
+        """``response`` with the headers naming them (and a log line), when there are any."""
         if self.names:
             value = ", ".join(self.names)
-            response.headers[HEADER] = value
+            response.headers[HEADER] = value.encode("ascii", "backslashreplace").decode()  # a header is latin-1
             log.info("%s: advisory fields accepted and not acted on: %s", route, value)
+        if self.invalid:
+            response.headers[INVALID_HEADER] = "; ".join(self.invalid).encode("ascii", "backslashreplace").decode()
+            log.warning("%s: tool calls failing a keyword their schema's grammar could not hold: %s", route, "; ".join(self.invalid))
         return response
 
 

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from lmdock._errors import LmdockError
 from lmdock._logprobs import chat_logprobs
 from lmdock._outputs import CompletionOutput, RequestOutput
+from lmdock.server._advisory import Ignored
 from lmdock.server._errors import APIError, as_api_error
 from lmdock.server._protocol import ChatRequest, usage
 from lmdock.server._state import ServedModel, ServerState, state_of
@@ -44,9 +45,11 @@ Prepare = Callable[[ServedModel, ChatRequest], None]
 @router.post("/v1/chat/completions")
 async def chat(body: ChatRequest, request: Request) -> Response:
     run = await start_chat(body, request)
+    ignored = Ignored()  # what the grammar could not hold of the tools' and response format's schemas
+    ignored.loosened(run.plan, body.response_format.model_dump() if body.response_format else None, "response_format")
     if body.stream:
-        return sse_response(request, run.chunks(), run.admission, run.retry)
-    return JSONResponse(await run.whole())
+        return ignored.apply(sse_response(request, run.chunks(), run.admission, run.retry), "/v1/chat/completions")
+    return ignored.apply(JSONResponse(ignored.check(run.plan, await run.whole())), "/v1/chat/completions")
 
 
 async def start_chat(body: ChatRequest, request: Request, prepare: Prepare | None = None) -> ChatRun:

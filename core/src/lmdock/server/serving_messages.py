@@ -158,11 +158,13 @@ class CountTokensRequest(_Conversation):
 @router.post("/v1/messages")
 async def create(body: MessagesRequest, request: Request) -> Response:
     ignored = _beta(request)
-    run = await start_chat(body.chat(ignored), request, NAMES, body.stream, body.thinking_knob(ignored))
+    chat = body.chat(ignored)
+    run = await start_chat(chat, request, NAMES, body.stream, body.thinking_knob(ignored))
+    ignored.loosened(run.plan, chat.get("response_format"), "output_config.format")
     reply = _Reply(body, run.model, len(run.prompt_ids))
     if body.stream:
         return ignored.apply(typed_sse(request, run, reply.events(run.chunks()), _error_event), "/v1/messages")
-    return ignored.apply(JSONResponse(reply.whole(await run.whole())), "/v1/messages")
+    return ignored.apply(JSONResponse(reply.whole(ignored.check(run.plan, await run.whole()))), "/v1/messages")
 
 
 @router.post("/v1/messages/count_tokens")

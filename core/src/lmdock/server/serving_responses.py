@@ -134,12 +134,14 @@ async def create(body: ResponsesRequest, request: Request) -> Response:
     if not history:
         raise APIError(400, "input is empty: give a string or at least one item", param="input")
     ignored = Ignored()
-    run = await start_chat(body.chat(history, ignored), request, NAMES, body.stream, body.thinking_knob(ignored))
+    chat = body.chat(history, ignored)
+    run = await start_chat(chat, request, NAMES, body.stream, body.thinking_knob(ignored))
+    ignored.loosened(run.plan, chat.get("response_format"), "text.format")
     turn = _Turn(body, run.model, history, store)
     if body.stream:
         seq = EventSequence(body.outputs())
         return ignored.apply(typed_sse(request, run, turn.events(run.chunks(), seq), seq.error), "/v1/responses")
-    return ignored.apply(JSONResponse(turn.whole(await run.whole())), "/v1/responses")
+    return ignored.apply(JSONResponse(turn.whole(ignored.check(run.plan, await run.whole()))), "/v1/responses")
 
 
 @router.get("/v1/responses/{response_id}")
