@@ -236,3 +236,35 @@ def test_a_response_format_keyword_the_grammar_lacks_is_named(served: Server) ->
     json.loads(r.json()["choices"][0]["message"]["content"])
     r = responses(served, {"max_output_tokens": 40, "text": {"format": {"type": "json_schema", "name": "n", "schema": schema}}})
     assert r.status_code == 200 and r.headers[HEADER] == "text.format: not (loosened)", r.text
+
+
+LONG = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. " * 2
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens_on_every_api(served: Server) -> None:
+    """The second of two equal prompts takes its prefix from the prefix cache; each API says how much."""
+    ask = [{"role": "user", "content": LONG}]
+    for stream in (False, True):
+        first = messages(served, {"messages": ask, "stream": stream})
+        assert first.status_code == 200, first.text
+        r = messages(served, {"messages": ask, "stream": stream})
+        usage = r.json()["usage"] if not stream else json.loads(
+            next(line[6:] for line in r.text.splitlines() if line.startswith('data: {"type":"message_start"')))["message"]["usage"]
+        prompt = count(served, {"messages": ask})
+        assert usage["cache_read_input_tokens"] > 0 and usage["cache_creation_input_tokens"] == 0
+        assert usage["input_tokens"] + usage["cache_read_input_tokens"] == prompt
+    body = {"model": "stories", "max_tokens": 5, "messages": ask}
+    for _ in range(2):
+        r = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=120).json()
+    assert 0 < r["usage"]["prompt_tokens_details"]["cached_tokens"] < r["usage"]["prompt_tokens"]
+    r = httpx.post(f"{served.url}/v1/completions", json={"model": "stories", "max_tokens": 5, "prompt": LONG}, timeout=120).json()
+    r = httpx.post(f"{served.url}/v1/completions", json={"model": "stories", "max_tokens": 5, "prompt": LONG}, timeout=120).json()
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    for _ in range(2):
+        r = responses(served, {"input": LONG})
+    assert 0 < r.json()["usage"]["input_tokens_details"]["cached_tokens"] < r.json()["usage"]["input_tokens"]
+
+
+def test_a_new_prompt_reports_no_cached_tokens(served: Server) -> None:
+    r = httpx.post(f"{served.url}/v1/completions", json={"model": "stories", "max_tokens": 5, "prompt": "Tom had a red car."}, timeout=120)
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] <= 1  # at most the BOS earlier prompts share

@@ -137,6 +137,8 @@ class ChatRun:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         # the rendered prompt's tokens: what the first token's text follows
         self.prompt_ids: list[int] = list(firsts[0].prompt_token_ids) if firsts and firsts[0] is not None else []
+        #: of which the prefix cache gave (0 where the engine does not count them)
+        self.cached_tokens: int = (firsts[0].num_cached_tokens or 0) if firsts and firsts[0] is not None else 0
         self.created = int(time.time())
 
     def logprobs(self, c: Any, start: int) -> dict[str, Any] | None:

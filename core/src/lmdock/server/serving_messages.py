@@ -161,7 +161,7 @@ async def create(body: MessagesRequest, request: Request) -> Response:
     chat = body.chat(ignored)
     run = await start_chat(chat, request, NAMES, body.stream, body.thinking_knob(ignored))
     ignored.loosened(run.plan, chat.get("response_format"), "output_config.format")
-    reply = _Reply(body, run.model, len(run.prompt_ids))
+    reply = _Reply(body, run.model, len(run.prompt_ids), run.cached_tokens)
     if body.stream:
         return ignored.apply(typed_sse(request, run, reply.events(run.chunks()), _error_event), "/v1/messages")
     return ignored.apply(JSONResponse(reply.whole(ignored.check(run.plan, await run.whole()))), "/v1/messages")
@@ -204,9 +204,13 @@ def _stop(choice: dict[str, Any], sequences: list[str] | None) -> tuple[str, str
     return "end_turn", None
 
 
-def _usage(chat_usage: dict[str, int] | None) -> dict[str, int]:
+def _usage(chat_usage: dict[str, Any] | None) -> dict[str, int]:
+    """Anthropic's usage: ``input_tokens`` are the prompt tokens computed, ``cache_read_input_tokens``
+    those the prefix cache gave (their sum is the prompt); nothing is written to a cache on request."""
     chat_usage = chat_usage or {}
-    return {"input_tokens": chat_usage.get("prompt_tokens", 0), "output_tokens": chat_usage.get("completion_tokens", 0)}
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": chat_usage.get("prompt_tokens", 0) - cached, "output_tokens": chat_usage.get("completion_tokens", 0),
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
 def _input(arguments: str) -> dict[str, Any]:
@@ -221,8 +225,8 @@ def _input(arguments: str) -> dict[str, Any]:
 class _Reply:
     """One message: its id and its body, whole or as events."""
 
-    def __init__(self, body: MessagesRequest, model: str, prompt_tokens: int) -> None:
-        self.body, self.model, self.prompt_tokens = body, model, prompt_tokens
+    def __init__(self, body: MessagesRequest, model: str, prompt_tokens: int, cached_tokens: int) -> None:
+        self.body, self.model, self.prompt_tokens, self.cached_tokens = body, model, prompt_tokens, cached_tokens
         self.id = f"msg_{uuid.uuid4().hex}"
 
     def message(self, content: list[dict[str, Any]], stop: tuple[str | None, str | None], usage: dict[str, int]) -> dict[str, Any]:
@@ -240,7 +244,7 @@ class _Reply:
 
     async def events(self, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
         """The chat chunks as Anthropic's event sequence."""
-        start = {"input_tokens": self.prompt_tokens, "output_tokens": 0}
+        start = _usage({"prompt_tokens": self.prompt_tokens, "prompt_tokens_details": {"cached_tokens": self.cached_tokens}})
         yield {"type": "message_start", "message": self.message([], (None, None), start)}
         yield {"type": "ping"}
         blocks = _Blocks()

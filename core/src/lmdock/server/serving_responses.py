@@ -183,11 +183,12 @@ def _previous(store: ResponseStore, response_id: str | None) -> tuple[dict[str, 
     return found.history
 
 
-def _usage(chat_usage: dict[str, int] | None) -> dict[str, Any] | None:
+def _usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
     if chat_usage is None:
         return None
     p, c = chat_usage["prompt_tokens"], chat_usage["completion_tokens"]
-    return {"input_tokens": p, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)  # the prefix cache's
+    return {"input_tokens": p, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": c, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + c}
 
 
