@@ -33,8 +33,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The agent template, whose only reasoning knob is ``enable_thinking``."""
-    s = agent_server(tmp_path_factory.mktemp("agents-plain"))
+    """The agent template, whose only reasoning knob is ``enable_thinking``; the OpenAI routes clamp ``max_tokens``."""
+    s = agent_server(tmp_path_factory.mktemp("agents-plain"), server_table='max_tokens_past_context = "clamp"\n')
     yield s
     s.stop()
 
@@ -268,3 +268,42 @@ def test_a_repeated_prompt_reports_its_cached_tokens_on_every_api(served: Server
 def test_a_new_prompt_reports_no_cached_tokens(served: Server) -> None:
     r = httpx.post(f"{served.url}/v1/completions", json={"model": "stories", "max_tokens": 5, "prompt": "Tom had a red car."}, timeout=120)
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] <= 1  # at most the BOS earlier prompts share
+
+
+def test_agents_max_tokens_past_the_context_is_clamped(served: Server) -> None:
+    """Claude Code sends max_tokens 32000 whatever the context (stories260K's is 512): the answer is cut
+    at the context, and says so where it gets there."""
+    r = messages(served, {"max_tokens": 100_000})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    prompt = body["usage"]["input_tokens"] + body["usage"]["cache_read_input_tokens"]
+    assert prompt + body["usage"]["output_tokens"] <= 512
+    assert body["stop_reason"] == ("max_tokens" if prompt + body["usage"]["output_tokens"] == 512 else "end_turn")
+    r = responses(served, {"max_output_tokens": 100_000})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["total_tokens"] <= 512
+    assert r.json()["status"] == ("incomplete" if usage["total_tokens"] == 512 else "completed")
+
+
+def test_openai_routes_refuse_past_the_context_by_default(served: Server) -> None:
+    r = httpx.post(f"{served.url}/v1/chat/completions", json={"model": "stories", "max_tokens": 100_000, "messages": ASK}, timeout=60)
+    assert r.status_code == 400 and "ask for at most" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "max_tokens"
+
+
+def test_openai_routes_clamp_when_configured(plain: Server) -> None:
+    for route, body in (("chat/completions", {"messages": ASK}), ("completions", {"prompt": "Once upon a time"})):
+        r = httpx.post(f"{plain.url}/v1/{route}", json={"model": "stories", "max_tokens": 100_000, "ignore_eos": True, **body}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["total_tokens"] == 512 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_max_tokens_past_context_is_checked_in_the_config() -> None:
+    from lmdock._errors import ConfigError
+    from lmdock._params import ServerConfig
+    from lmdock._schema import build
+
+    assert build(ServerConfig, {"max_tokens_past_context": "clamp"}).max_tokens_past_context == "clamp"
+    with pytest.raises(ConfigError, match="max_tokens_past_context"):
+        build(ServerConfig, {"max_tokens_past_context": "truncate"})

@@ -150,7 +150,6 @@ def test_what_it_cannot_honour_is_a_400_naming_it(served: Server) -> None:
         ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]}, "input.0.encrypted_content", "encrypted"),
         ({"input": [{"role": "user", "content": "x", "colour": 1}]}, "input.0.colour", "colour"),
         ({"input": "x", "tools": [{"type": "local_shell"}]}, "tools.0.type", "function, custom and namespace tools"),
-        ({"input": "x", "max_output_tokens": 5000}, "max_output_tokens", "at most"),
         ({"input": []}, "input", "empty"),
         ({"input": "x", "truncation": "auto"}, "truncation", "disabled"),
         ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", "reasoning.encrypted_content only"),

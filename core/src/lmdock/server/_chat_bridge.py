@@ -91,11 +91,12 @@ async def start_chat(chat: dict[str, Any], request: Request, names: dict[str, st
                      thinking: ThinkingKnob | None = None) -> serving_chat.ChatRun:
     """``chat`` admitted, rendered and submitted on the chat path (``stream``: its chunks will be
     read, the last one with ``usage``); an error names the caller's fields (``names``: chat's to the
-    caller's, see :func:`renamed`); ``thinking`` sets the template's reasoning knob."""
+    caller's, see :func:`renamed`); ``thinking`` sets the template's reasoning knob.  A ``max_tokens``
+    past the context is cut to what it leaves (agent clients send one whatever the model's context)."""
     if stream:
         chat = {**chat, "stream": True, "stream_options": {"include_usage": True}}
     try:
-        return await serving_chat.start_chat(chat_request(chat), request, thinking)
+        return await serving_chat.start_chat(chat_request(chat), request, thinking, clamp=True)  # agents send any max_tokens
     except APIError as exc:
         raise renamed(exc, names) from None
 

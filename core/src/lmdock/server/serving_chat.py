@@ -52,10 +52,11 @@ async def chat(body: ChatRequest, request: Request) -> Response:
     return ignored.apply(JSONResponse(ignored.check(run.plan, await run.whole())), "/v1/chat/completions")
 
 
-async def start_chat(body: ChatRequest, request: Request, prepare: Prepare | None = None) -> ChatRun:
+async def start_chat(body: ChatRequest, request: Request, prepare: Prepare | None = None, clamp: bool | None = None) -> ChatRun:
     """Admit, render and submit a chat request: the :class:`ChatRun` to read it from.  Raises
     :class:`APIError` (400 naming the field, 404, 429...) before anything is sent.  ``prepare``: see
-    :func:`render`."""
+    :func:`render`; ``clamp``: a ``max_tokens`` past the context is cut to it (None: as ``[server]
+    max_tokens_past_context`` says)."""
     st = state_of(request)
     sm, plan, prompt = await render(body, request, prepare)
     try:
@@ -64,7 +65,7 @@ async def start_chat(body: ChatRequest, request: Request, prepare: Prepare | Non
         raise _tool_error(exc, st.retry_after, sm) from None
     lora = st.adapter(body.model)  # NAME:ADAPTER runs under the adapter on NAME's engine
     admission, streams, firsts = await submit_admitted(request, st, sm, [prompt], params, add_special_tokens=False,
-                                                       max_tokens_field=body.max_tokens_field(), lora_request=lora)
+                                                       max_tokens_field=body.max_tokens_field(), lora_request=lora, clamp=clamp)
     run = ChatRun(body, request, sm, plan, admission, streams, firsts, st.retry_after, params.n)
     if lora is not None:
         run.model = body.model  # the response names the adapter's model, as vLLM's does
