@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from lmdock._engine.llg_vocab import added_tokens_as_text
 from lmdock._errors import RequestError
 from lmdock._json_schemas import bounded_numbers, closed_objects, loosened
 
@@ -151,7 +152,7 @@ class ConstraintFactory:
         backend.no_truncation()
         eos: Any = list(self.eos_token_ids) or getattr(self.tokenizer, "eos_token_id", None)
         try:
-            return llg.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=eos)
+            return llg.LLTokenizer(added_tokens_as_text(backend.to_str()), n_vocab=self.vocab_size, eos_token=eos)
         except Exception as exc:
             raise RequestError(f"structured_output: llguidance cannot read this engine's tokenizer: {type(exc).__name__}: {exc}") from exc
 
