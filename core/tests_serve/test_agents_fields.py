@@ -93,6 +93,15 @@ def test_an_advisory_field_is_accepted_and_named(served: Server, key: tuple[str,
     assert r.headers[HEADER] == named
 
 
+def test_hosted_tools_alone_under_auto_leave_a_plain_answer(served: Server) -> None:
+    r = responses(served, {"tools": [{"type": "web_search"}], "tool_choice": "auto"})
+    assert r.status_code == 200 and r.headers[HEADER] == "tools[0] (web_search: no search backend)", r.text
+    r = messages(served, {"tools": [{"type": "web_search_20250305", "name": "web_search"}], "tool_choice": {"type": "auto"}})
+    assert r.status_code == 200 and r.headers[HEADER] == "tools[0] (web_search_20250305: no search backend)", r.text
+    r = responses(served, {"tools": [{"type": "web_search"}], "tool_choice": "required"})  # a call to nothing: refused
+    assert r.status_code == 400, r.text
+
+
 def test_a_plain_request_names_nothing(served: Server) -> None:
     assert HEADER not in messages(served, {}).headers
     assert HEADER not in responses(served, {}).headers

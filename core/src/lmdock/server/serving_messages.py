@@ -115,7 +115,10 @@ class _Conversation(StrictBody):
             raise APIError(400, f"tool_choice {self.tool_choice.get('type')!r} needs tools", param="tool_choice")
         if self.tools or self.tool_choice is not None:
             choice, parallel = chat_tool_choice(self.tool_choice) if self.tool_choice is not None else (None, None)
-            chat.update(tools=chat_tools(self.tools or [], ignored) or None, tool_choice=choice, parallel_tool_calls=parallel)
+            tools = chat_tools(self.tools or [], ignored) or None
+            if tools is None and choice == "auto":
+                choice = None  # its only tools were hosted ones, dropped: nothing is left to choose from
+            chat.update(tools=tools, tool_choice=choice, parallel_tool_calls=parallel)
         if has_cache_control(self.system, self.messages, self.tools):
             ignored.add("cache_control")
         if self.output_config is not None and self.output_config.format is not None:

@@ -110,8 +110,11 @@ class ResponsesRequest(StrictBody):
         chat: dict[str, Any] = {"model": self.model, "messages": [*system, *history], "max_tokens": self.max_output_tokens,
                                 "temperature": self.temperature, "top_p": self.top_p, "user": self.user}
         if self.tools or self.tool_choice is not None or self.parallel_tool_calls is not None:
-            chat.update(tools=chat_tools(self.tools or [], ignored) or None, parallel_tool_calls=self.parallel_tool_calls,
-                        tool_choice=None if self.tool_choice is None else chat_tool_choice(self.tool_choice))
+            tools = chat_tools(self.tools or [], ignored) or None
+            choice = None if self.tool_choice is None else chat_tool_choice(self.tool_choice)
+            if tools is None and choice == "auto":
+                choice = None  # its only tools were hosted ones, dropped: nothing is left to choose from
+            chat.update(tools=tools, parallel_tool_calls=self.parallel_tool_calls, tool_choice=choice)
         if self.text is not None and self.text.format is not None:
             chat["response_format"] = chat_response_format(self.text.format)
         return chat
