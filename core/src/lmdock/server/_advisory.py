@@ -43,8 +43,9 @@ POLICY: tuple[Field, ...] = (
     Field("messages", "thinking", "honoured",
           "`adaptive`: the model's default; `enabled`: `enable_thinking: true` to the template (advisory on a model without "
           "a reasoning parser, which does not think); `disabled`: `enable_thinking: false`"),
-    Field("messages", "thinking.budget_tokens", "advisory",
-          "not held: thinking ends where the model ends it; `max_tokens` bounds the whole answer"),
+    Field("messages", "thinking.budget_tokens", "honoured",
+          "held by the step loop where the prompt opens the thinking span: past the budget the end-of-thinking marker "
+          "is forced (as llama.cpp's reasoning budget); advisory on engines that sample outside lmdock (vLLM, ...)"),
     Field("messages", "anthropic-beta (header)", "advisory", "beta features are the hosted API's; lmdock serves one version"),
     Field("messages", "beta (query)", "advisory", "`?beta=true` asks for the hosted API's beta surface; lmdock serves one version"),
     Field("messages", "cache_control", "advisory", "the prefix cache reuses every prompt's prefix unasked"),

@@ -56,12 +56,14 @@ class ThinkingKnob:
     (:func:`lmdock.server._advisory.reasoning_knobs`); what the model has no knob for is named in ``ignored``.
 
     ``effort``: a grade (``output_config.effort``, ``reasoning.effort``) under the request's name for it
-    (``field``); ``on``: thinking asked on or off (``thinking.type``), None for the model's default."""
+    (``field``); ``on``: thinking asked on or off (``thinking.type``), None for the model's default;
+    ``budget``: the most tokens the thinking may take (``thinking.budget_tokens``), held by the step loop."""
 
     OFF = ("none", "minimal")
 
-    def __init__(self, ignored: Ignored, field: str = "", effort: str | None = None, on: bool | None = None) -> None:
-        self.ignored, self.field, self.effort, self.on = ignored, field, effort, on
+    def __init__(self, ignored: Ignored, field: str = "", effort: str | None = None, on: bool | None = None,
+                 budget: int | None = None) -> None:
+        self.ignored, self.field, self.effort, self.on, self.budget = ignored, field, effort, on, budget
 
     def __call__(self, sm: Any, body: ChatRequest) -> None:
         template = body.chat_template or sm.chat_template or getattr(sm.llm.tokenizer, "chat_template", None)
@@ -95,10 +97,16 @@ async def start_chat(chat: dict[str, Any], request: Request, names: dict[str, st
     past the context is cut to what it leaves (agent clients send one whatever the model's context)."""
     if stream:
         chat = {**chat, "stream": True, "stream_options": {"include_usage": True}}
+    budget = thinking.budget if thinking is not None else None
     try:
-        return await serving_chat.start_chat(chat_request(chat), request, thinking, clamp=True)  # agents send any max_tokens
+        run = await serving_chat.start_chat(chat_request(chat), request, thinking, clamp=True,  # agents send any max_tokens
+                                            thinking_budget=budget)
     except APIError as exc:
         raise renamed(exc, names) from None
+    if budget is not None and not run.budget_held and thinking is not None:
+        thinking.ignored.add("thinking.budget_tokens (not held: the engine samples outside lmdock's step loop, "
+                             "or the prompt opens no thinking span)")
+    return run
 
 
 async def prompt_tokens(chat: dict[str, Any], request: Request, names: dict[str, str], thinking: ThinkingKnob | None = None) -> int:

@@ -52,21 +52,29 @@ async def chat(body: ChatRequest, request: Request) -> Response:
     return ignored.apply(JSONResponse(ignored.check(run.plan, await run.whole())), "/v1/chat/completions")
 
 
-async def start_chat(body: ChatRequest, request: Request, prepare: Prepare | None = None, clamp: bool | None = None) -> ChatRun:
+async def start_chat(body: ChatRequest, request: Request, prepare: Prepare | None = None, clamp: bool | None = None,
+                     thinking_budget: int | None = None) -> ChatRun:
     """Admit, render and submit a chat request: the :class:`ChatRun` to read it from.  Raises
     :class:`APIError` (400 naming the field, 404, 429...) before anything is sent.  ``prepare``: see
     :func:`render`; ``clamp``: a ``max_tokens`` past the context is cut to it (None: as ``[server]
-    max_tokens_past_context`` says)."""
+    max_tokens_past_context`` says); ``thinking_budget``: the thinking held to that many tokens where
+    the engine samples in lmdock's step loop and the prompt opens the thinking (``run.budget_held``)."""
     st = state_of(request)
     sm, plan, prompt = await render(body, request, prepare)
     try:
         params = sm.llm.constrained(st.sampling_params(sm, body.overrides(), body), plan)
     except LmdockError as exc:
         raise _tool_error(exc, st.retry_after, sm) from None
+    budget = None
+    if thinking_budget is not None and sm.llm.backend.kind == "step":
+        budget = plan.thinking_budget(thinking_budget, sm.llm.tokenizer, prompt)
+        if budget is not None:
+            params = params.replace(logits_processors=(*params.logits_processors, budget))
     lora = st.adapter(body.model)  # NAME:ADAPTER runs under the adapter on NAME's engine
     admission, streams, firsts = await submit_admitted(request, st, sm, [prompt], params, add_special_tokens=False,
                                                        max_tokens_field=body.max_tokens_field(), lora_request=lora, clamp=clamp)
     run = ChatRun(body, request, sm, plan, admission, streams, firsts, st.retry_after, params.n)
+    run.budget_held = budget is not None
     if lora is not None:
         run.model = body.model  # the response names the adapter's model, as vLLM's does
     return run
@@ -141,6 +149,7 @@ class ChatRun:
         #: of which the prefix cache gave (0 where the engine does not count them)
         self.cached_tokens: int = (firsts[0].num_cached_tokens or 0) if firsts and firsts[0] is not None else 0
         self.created = int(time.time())
+        self.budget_held = False  # a thinking budget asked for is held (see start_chat)
 
     def logprobs(self, c: Any, start: int) -> dict[str, Any] | None:
         if not self.body.logprobs:

@@ -128,11 +128,10 @@ class _Conversation(StrictBody):
     def thinking_knob(self, ignored: Ignored) -> ThinkingKnob:
         """What this request asks of the model's thinking, set on its template's knob."""
         kind = self.thinking.type if self.thinking is not None else "adaptive"
-        if self.thinking is not None and self.thinking.budget_tokens is not None:
-            ignored.add("thinking.budget_tokens")
+        budget = self.thinking.budget_tokens if self.thinking is not None else None
         effort = self.output_config.effort if self.output_config is not None else None
         return ThinkingKnob(ignored, "output_config.effort", "high" if effort == "max" else effort,
-                         {"adaptive": None, "enabled": True, "disabled": False}[kind])
+                            {"adaptive": None, "enabled": True, "disabled": False}[kind], budget)
 
 
 class MessagesRequest(_Conversation):

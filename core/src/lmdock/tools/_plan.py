@@ -18,7 +18,7 @@ from lmdock._errors import RequestError
 from lmdock._json_schemas import loosened
 from lmdock.tools._base import CallDelta, ToolCall, ToolParser, ToolStream
 from lmdock.tools._formats import up_to
-from lmdock.tools._reasoning import ReasoningParser, ReasoningStream
+from lmdock.tools._reasoning import ReasoningParser, ReasoningStream, ThinkingBudget
 
 ToolChoice = str | dict[str, Any] | None
 
@@ -149,6 +149,13 @@ class ChatPlan:
                 if problem is not None:
                     out.append(f"{fn['name']}: {problem}")
         return out
+
+    def thinking_budget(self, budget: int, tokenizer: Any, prompt: str) -> ThinkingBudget | None:
+        """A logits processor holding the thinking to ``budget`` tokens (:class:`ThinkingBudget`), or None
+        where there is no span to hold: no reasoning parser, or a prompt that does not open the thinking."""
+        if self.reasoning is None or not self.opened:
+            return None
+        return ThinkingBudget(budget, self.reasoning.end, tokenizer, len(tokenizer.encode(prompt, add_special_tokens=False)))
 
     def _params(self, name: str) -> dict[str, Any]:
         return next(t["function"].get("parameters") or {} for t in self.tools if t["function"]["name"] == name)
