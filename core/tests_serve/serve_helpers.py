@@ -97,11 +97,11 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLengt
            "additionalProperties": False}
 
 
-def agent_server(tmp: Path) -> Server:
+def agent_server(tmp: Path, template: str = AGENT_TEMPLATE, server_table: str = "") -> Server:
     """stories260K as ``stories`` and as ``thinker`` (``reasoning_parser = "think"``), both with
-    :data:`AGENT_TEMPLATE`."""
-    (tmp / "template.jinja").write_text(AGENT_TEMPLATE, encoding="utf-8")
+    ``template`` (:data:`AGENT_TEMPLATE`)."""
+    (tmp / "template.jinja").write_text(template, encoding="utf-8")
     thinker = (f'[models.thinker]\nmodel = "{models_dir()}"\nbackend = "hf"\nreasoning_parser = "think"\n'
                '[models.thinker.sampling]\ntemperature = 0.0\nmax_new_tokens = 40\n')
-    return Server(tmp, args=("--chat-template", str(tmp / "template.jinja"), "--model", "stories", "--model", "thinker"),
+    return Server(tmp, server_table, args=("--chat-template", str(tmp / "template.jinja"), "--model", "stories", "--model", "thinker"),
                   extra_models=thinker)

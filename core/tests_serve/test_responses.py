@@ -149,8 +149,7 @@ def test_what_it_cannot_honour_is_a_400_naming_it(served: Server) -> None:
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type", "item_reference"),
         ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]}, "input.0.encrypted_content", "encrypted"),
         ({"input": [{"role": "user", "content": "x", "colour": 1}]}, "input.0.colour", "colour"),
-        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type", "function and custom tools only"),
-        ({"input": "x", "max_output_tokens": 5000}, "max_output_tokens", "at most"),
+        ({"input": "x", "tools": [{"type": "local_shell"}]}, "tools.0.type", "function, custom and namespace tools"),
         ({"input": []}, "input", "empty"),
         ({"input": "x", "truncation": "auto"}, "truncation", "disabled"),
         ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", "reasoning.encrypted_content only"),
@@ -455,7 +454,7 @@ def test_a_custom_tool_call_round_trip(served: Server) -> None:
         "name": "pin", "parameters": {"type": "object", "properties": {"input": {"type": "string"}}}}}], tool_choice="none")
     assert after.usage.input_tokens == by_id.usage.input_tokens == chat.usage.prompt_tokens
     assert after.output_text == chat.choices[0].message.content
-    # a regex the grammar engine cannot compile is a 400 with its reason, before anything runs
+    # a regex the grammar engine cannot hold (a look-around) is loosened, named, and the call checked after
     bad = {**PIN, "format": {"type": "grammar", "syntax": "regex", "definition": "(?=a)b"}}
-    with pytest.raises(openai.BadRequestError, match="look-around"):
-        c.responses.create(**{**kw, "tools": [bad]})  # type: ignore[arg-type]
+    raw = c.responses.with_raw_response.create(**{**kw, "tools": [bad], "stream": False})  # type: ignore[arg-type]
+    assert raw.headers["x-lmdock-ignored"] == "tools.pin: pattern (look-around) (loosened; checked after generation)"

@@ -100,3 +100,50 @@ def bounded_numbers(schema: Any) -> Any:
         return s
 
     return map_schemas(schema, bound)
+
+
+#: keywords llguidance (1.9) does not implement: it refuses a schema holding one ("Unimplemented keys")
+UNIMPLEMENTED = ("propertyNames", "uniqueItems", "contains", "minContains", "maxContains", "dependentRequired",
+                 "dependentSchemas", "dependencies", "if", "then", "else", "not", "unevaluatedProperties",
+                 "unevaluatedItems", "$dynamicRef", "$dynamicAnchor")
+#: the string formats llguidance implements (another one is refused: "Unknown format")
+FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri",
+                     "unknown"})
+#: a regex look-around, which llguidance's regex engine cannot hold
+_LOOKAROUND = ("(?=", "(?!", "(?<=", "(?<!")
+
+
+def loosened(schema: Any) -> tuple[Any, list[str]]:
+    """``(schema, names)``: ``schema`` without what llguidance cannot constrain, and the keywords so
+    loosened (each once, in order).  A keyword that asks for nothing (``propertyNames: {type:
+    string}``: property names are strings) is dropped unnamed; the others (``uniqueItems``,
+    ``contains``, ``if``, ``not``..., ``min/maxProperties`` over optional properties, an unknown
+    ``format``, a ``pattern`` with look-around) are dropped from the grammar's schema, named, and left
+    for a validator to check on the output (every document ``schema`` allows, the loosened one allows)."""
+    names: list[str] = []
+
+    def note(name: str) -> None:
+        if name not in names:
+            names.append(name)
+
+    def loosen(s: dict[str, Any], _: bool) -> dict[str, Any]:
+        if s.get("propertyNames") in ({}, True, {"type": "string"}):
+            del s["propertyNames"]
+        for key in UNIMPLEMENTED:
+            if key in s:
+                del s[key]
+                note(key)
+        props = s.get("properties")
+        partial = isinstance(props, dict) and not set(props) <= set(s.get("required") or ())
+        for key in ("minProperties", "maxProperties"):
+            if key in s and partial:
+                del s[key]
+                note(key)
+        if isinstance(s.get("format"), str) and s["format"] not in FORMATS:
+            note(f"format {s.pop('format')}")
+        if isinstance(s.get("pattern"), str) and any(x in s["pattern"] for x in _LOOKAROUND):
+            del s["pattern"]
+            note("pattern (look-around)")
+        return s
+
+    return map_schemas(schema, loosen), names

@@ -51,6 +51,8 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    #: prompt tokens whose KV state came from the prefix cache (vLLM's name); None: the engine does not say
+    num_cached_tokens: int | None = None
 
 
 @dataclass

@@ -604,6 +604,11 @@ class ServerConfig(_Replaceable):
     keep_alive_timeout: float = 5.0
     max_connections: int = 512
     metric_names: Literal["lmdock", "vllm"] = "lmdock"
+    #: a ``max_tokens`` past what the context leaves after the prompt, on the OpenAI routes (completions,
+    #: chat): ``"refuse"`` (a 400 naming the room left, as vLLM answers) or ``"clamp"`` (cut to the room, the
+    #: finish reason ``length`` when reached).  ``/v1/messages`` and ``/v1/responses`` always clamp: agent
+    #: clients send a large ``max_tokens`` whatever the model's context (as llama.cpp and Ollama clamp).
+    max_tokens_past_context: Literal["refuse", "clamp"] = "refuse"
     #: each model's engine as this many Ray Serve replicas behind the one server (1: no Ray; ``server/_ray.py``),
     #: or as many as Ray Serve's autoscaler keeps between ``autoscaling``'s min and max; each replica an actor
     #: with ``ray_actor_options`` (``num_cpus`` 1 unless given).  A model's own keys win over these.
@@ -635,6 +640,8 @@ class ServerConfig(_Replaceable):
         _int("replicas", self.replicas, 1, optional=False)
         object.__setattr__(self, "autoscaling", replica_tables(None if self.replicas == 1 else self.replicas,
                                                                self.autoscaling, self.ray_actor_options))
+        check(self.max_tokens_past_context in ("refuse", "clamp"), "max_tokens_past_context",
+              f"must be 'refuse' (a 400, as vLLM answers) or 'clamp' (cut to the context), got {self.max_tokens_past_context!r}")
         check(self.metric_names in ("lmdock", "vllm"), "metric_names",
               f"must be 'lmdock' (lmdock: names only) or 'vllm' (also vLLM's vllm: names), got {self.metric_names!r}")
 

@@ -184,6 +184,7 @@ class OutputProcessor:
             outputs=outs,
             finished=req.finished,
             prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
+            num_cached_tokens=req.cached_tokens,
         )
 
     def _beam_outputs(self, req: Req) -> list[CompletionOutput]:

@@ -53,6 +53,8 @@ class PromptCaching:
             return
         if self.kv.fork(src, seq, length):
             self.cache.hit_tokens += length
+            if seq.req is not None:
+                seq.req.cached_tokens = length
         else:
             self.drop(disable=True)
 

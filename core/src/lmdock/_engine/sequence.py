@@ -98,6 +98,7 @@ class Req:
         #: n > 1: completions waiting for the first one's prompt KV state, to fork it
         self.followers: list[Seq] = []
         self.cached = False  # its prompt's KV state went to the prefix cache
+        self.cached_tokens = 0  # prompt tokens it took from the prefix cache
         self.done = False  # reported finished or failed: nothing more goes to the sink
         p = request.params
         self.beam = BeamSearch(p.beam_width, p.length_penalty, p.early_stopping) if p.beam_width > 1 else None

@@ -36,8 +36,9 @@ from typing import Any
 
 import numpy as np
 
+from lmdock._engine.llg_vocab import added_tokens_as_text
 from lmdock._errors import RequestError
-from lmdock._json_schemas import bounded_numbers, closed_objects
+from lmdock._json_schemas import bounded_numbers, closed_objects, loosened
 
 #: compiled grammars kept per tokenizer
 CACHE_SIZE = 128
@@ -70,7 +71,7 @@ def grammar_for(so: Any) -> tuple[str, str]:
     schema = so.json_schema()
     if schema is not None:
         try:
-            return "json", M.grammar_from_json_schema(bounded_numbers(closed_objects(schema)), defaults=JSON_DEFAULTS)
+            return "json", M.grammar_from_json_schema(bounded_numbers(closed_objects(loosened(schema)[0])), defaults=JSON_DEFAULTS)
         except (ValueError, TypeError) as exc:
             raise RequestError(f"structured_output.json: the schema cannot be read: {exc}") from exc
     if so.regex is not None:
@@ -194,7 +195,7 @@ class ConstraintFactory:
         backend.no_truncation()
         eos: Any = list(self.eos_token_ids) or getattr(self.tokenizer, "eos_token_id", None)
         try:
-            return llg.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=eos)
+            return llg.LLTokenizer(added_tokens_as_text(backend.to_str()), n_vocab=self.vocab_size, eos_token=eos)
         except Exception as exc:
             raise RequestError(f"structured_output: llguidance cannot read this engine's tokenizer: {type(exc).__name__}: {exc}") from exc
 

@@ -19,6 +19,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from lmdock.server import serving_chat
+from lmdock.server._advisory import Ignored, reasoning_knobs
 from lmdock.server._errors import APIError
 from lmdock.server._protocol import ChatRequest, unknown_field
 from lmdock.server._streaming import DONE, sse, sse_response
@@ -50,22 +51,68 @@ def chat_request(chat: dict[str, Any]) -> ChatRequest:
         raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
 
 
-async def start_chat(chat: dict[str, Any], request: Request, names: dict[str, str], stream: bool) -> serving_chat.ChatRun:
+class ThinkingKnob:
+    """What a request asks of the model's thinking, set on the template's knob once the model is known
+    (:func:`lmdock.server._advisory.reasoning_knobs`); what the model has no knob for is named in ``ignored``.
+
+    ``effort``: a grade (``output_config.effort``, ``reasoning.effort``) under the request's name for it
+    (``field``); ``on``: thinking asked on or off (``thinking.type``), None for the model's default;
+    ``budget``: the most tokens the thinking may take (``thinking.budget_tokens``), held by the step loop."""
+
+    OFF = ("none", "minimal")
+
+    def __init__(self, ignored: Ignored, field: str = "", effort: str | None = None, on: bool | None = None,
+                 budget: int | None = None) -> None:
+        self.ignored, self.field, self.effort, self.on, self.budget = ignored, field, effort, on, budget
+
+    def __call__(self, sm: Any, body: ChatRequest) -> None:
+        template = body.chat_template or sm.chat_template or getattr(sm.llm.tokenizer, "chat_template", None)
+        knobs = reasoning_knobs(template if isinstance(template, str) else None)
+        kwargs = dict(body.chat_template_kwargs or {})
+        if self.on is True and not sm.llm.model_config.reasoning_parser:
+            self.ignored.add("thinking (the model does not think: it has no reasoning parser)")
+        elif self.on is not None:
+            kwargs["enable_thinking"] = self.on
+        if self.effort is not None:
+            self._effort(knobs, kwargs)
+        body.chat_template_kwargs = kwargs or None
+
+    def _effort(self, knobs: frozenset[str], kwargs: dict[str, Any]) -> None:
+        graded = "reasoning_effort" in knobs
+        if graded:
+            kwargs["reasoning_effort"] = self.effort
+        if "enable_thinking" in knobs and self.field.startswith("reasoning"):  # Responses' none/minimal: off
+            kwargs["enable_thinking"] = self.effort not in self.OFF
+            if not graded and self.effort not in self.OFF:
+                self.ignored.add(f"{self.field}={self.effort} (the template's knob is enable_thinking: on, ungraded)")
+        elif not graded:
+            self.ignored.add(f"{self.field} (the chat template has no reasoning_effort)")
+
+
+async def start_chat(chat: dict[str, Any], request: Request, names: dict[str, str], stream: bool,
+                     thinking: ThinkingKnob | None = None) -> serving_chat.ChatRun:
     """``chat`` admitted, rendered and submitted on the chat path (``stream``: its chunks will be
     read, the last one with ``usage``); an error names the caller's fields (``names``: chat's to the
-    caller's, see :func:`renamed`)."""
+    caller's, see :func:`renamed`); ``thinking`` sets the template's reasoning knob.  A ``max_tokens``
+    past the context is cut to what it leaves (agent clients send one whatever the model's context)."""
     if stream:
         chat = {**chat, "stream": True, "stream_options": {"include_usage": True}}
+    budget = thinking.budget if thinking is not None else None
     try:
-        return await serving_chat.start_chat(chat_request(chat), request)
+        run = await serving_chat.start_chat(chat_request(chat), request, thinking, clamp=True,  # agents send any max_tokens
+                                            thinking_budget=budget)
     except APIError as exc:
         raise renamed(exc, names) from None
+    if budget is not None and not run.budget_held and thinking is not None:
+        thinking.ignored.add("thinking.budget_tokens (not held: the engine samples outside lmdock's step loop, "
+                             "or the prompt opens no thinking span)")
+    return run
 
 
-async def prompt_tokens(chat: dict[str, Any], request: Request, names: dict[str, str]) -> int:
+async def prompt_tokens(chat: dict[str, Any], request: Request, names: dict[str, str], thinking: ThinkingKnob | None = None) -> int:
     """How many tokens ``chat``'s prompt takes, rendered as :func:`start_chat` renders it."""
     try:
-        sm, _, prompt = await serving_chat.render(chat_request(chat), request)
+        sm, _, prompt = await serving_chat.render(chat_request(chat), request, thinking)
     except APIError as exc:
         raise renamed(exc, names) from None
     return len(sm.llm.tokenizer.encode(prompt, add_special_tokens=False))

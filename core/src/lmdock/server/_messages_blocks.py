@@ -5,7 +5,8 @@ chat's.
 
 ``system`` is taken as the field Anthropic defines and, leniently, as a role inside ``messages``
 (Claude Code sends it there; vLLM #44000 and Ollama #16372 refused it with a 400).  ``cache_control``
-on a block or tool is accepted: it asks to cache a prefix, which lmdock's prefix cache does unasked.
+on a block or tool is advisory (``lmdock.server._advisory``): it asks to cache a prefix, which
+lmdock's prefix cache does unasked.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from lmdock.server._advisory import Ignored, hosted
 from lmdock.server._chat_bridge import refuse_keys, string_field
 from lmdock.server._errors import APIError
 
@@ -116,11 +118,17 @@ def _assistant(content: Any, where: str) -> dict[str, Any]:
     return message
 
 
-def chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Anthropic's client tools (``name``, ``description``, ``input_schema``) as chat's function tools."""
+def chat_tools(tools: list[dict[str, Any]], ignored: Ignored) -> list[dict[str, Any]]:
+    """Anthropic's client tools (``name``, ``description``, ``input_schema``) as chat's function tools;
+    its server tools (web search, fetch, code execution), which no plugin provides, dropped and named
+    in ``ignored``."""
     out = []
     for i, tool in enumerate(tools):
         where = f"tools.{i}"
+        why = hosted("messages", tool.get("type"))
+        if why is not None:
+            ignored.add(f"tools[{i}] ({tool['type']}: {why})")
+            continue
         if tool.get("type") not in (None, "custom"):
             raise APIError(400, f"{where} is a {tool['type']!r} tool; lmdock serve runs client tools only "
                                 "(name, description, input_schema)", param=f"{where}.type")
@@ -145,3 +153,12 @@ def chat_tool_choice(choice: dict[str, Any]) -> tuple[str | dict[str, Any], bool
     if kind == "tool":
         return {"type": "function", "function": {"name": string_field(choice, "name", "tool_choice")}}, parallel
     return {"auto": "auto", "any": "required", "none": "none"}[kind], parallel
+
+
+def has_cache_control(system: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> bool:
+    """Whether a system block, a message's content block or a tool carries ``cache_control``."""
+    blocks = [*(system if isinstance(system, list) else ()), *(tools or ())]
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        blocks += content if isinstance(content, list) else ()
+    return any(isinstance(b, dict) and b.get("cache_control") is not None for b in blocks)

@@ -293,8 +293,14 @@ class RerankRequest(StrictBody):
     return_documents: bool = True
 
 
-def usage(outs: list[RequestOutput | None]) -> dict[str, int]:
-    """OpenAI's ``usage``: prompt and completion tokens of every finished output."""
-    p = sum(len(o.prompt_token_ids) for o in outs if o is not None)
-    c = sum(len(c.token_ids) for o in outs if o is not None for c in o.outputs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+def usage(outs: list[RequestOutput | None]) -> dict[str, Any]:
+    """OpenAI's ``usage``: prompt and completion tokens of every finished output, and the prompt
+    tokens the prefix cache gave (``prompt_tokens_details.cached_tokens``; left out where the engine
+    does not count them)."""
+    done = [o for o in outs if o is not None]
+    p = sum(len(o.prompt_token_ids) for o in done)
+    c = sum(len(c.token_ids) for o in done for c in o.outputs)
+    out: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    if done and all(o.num_cached_tokens is not None for o in done):
+        out["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens or 0 for o in done)}
+    return out

@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from lmdock.server._advisory import Ignored, hosted
 from lmdock.server._chat_bridge import refuse_keys, string_field
 from lmdock.server._errors import APIError
 from lmdock.server._responses_output import read_reasoning_token
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _MESSAGE_KEYS = frozenset({"type", "role", "content", "id", "status", "phase"})
-_CALL_KEYS = frozenset({"type", "call_id", "name", "arguments", "id", "status"})
+_CALL_KEYS = frozenset({"type", "call_id", "name", "arguments", "id", "status", "namespace"})
 _CUSTOM_CALL_KEYS = frozenset({"type", "call_id", "name", "input", "id", "status"})
 _OUTPUT_KEYS = frozenset({"type", "call_id", "output", "id", "status"})
 _CUSTOM_OUTPUT_KEYS = frozenset({"type", "call_id", "output", "id", "status", "name"})
@@ -32,6 +33,10 @@ _TEXT_PARTS = {"input_text": frozenset({"type", "text"}), "output_text": frozens
                "summary_text": frozenset({"type", "text"})}
 _TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
 _CUSTOM_TOOL_KEYS = frozenset({"type", "name", "description", "format"})
+_NAMESPACE_KEYS = frozenset({"type", "name", "description", "tools"})
+#: a namespaced function's keys about how the hosted API calls it (deferred loading, async calls,
+#: callers, its output's schema): advisory to a server whose client makes every call itself
+_NAMESPACE_EXTRAS = frozenset({"allowed_callers", "async", "defer_loading", "output_schema"})
 
 
 def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
@@ -97,8 +102,11 @@ def _add_call(out: list[dict[str, Any]], item: dict[str, Any], where: str) -> No
     else:
         refuse_keys(item, _CALL_KEYS, where)
         arguments = string_field(item, "arguments", where)
+    name = string_field(item, "name", where)
+    if item.get("namespace") is not None:  # a namespaced tool's call, by its flat name (see chat_tools)
+        name = flat_name(string_field(item, "namespace", where), name)
     call = {"id": string_field(item, "call_id", where), "type": "function",
-            "function": {"name": string_field(item, "name", where), "arguments": arguments}}
+            "function": {"name": name, "arguments": arguments}}
     if out and out[-1]["role"] == "assistant":
         out[-1].setdefault("tool_calls", []).append(call)
     else:  # "" rather than None: templates that trim or join content do not all take None
@@ -123,27 +131,82 @@ def _text(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
-def chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def chat_tools(tools: list[dict[str, Any]], ignored: Ignored) -> list[dict[str, Any]]:
     """Responses' flat function tools (``{type, name, parameters}``) as chat's (``{type, function: {...}}``);
-    a custom tool as a function taking one string, ``input``."""
+    a custom tool as a function taking one string, ``input``; a namespace's tools flattened, each named
+    ``NAMESPACE__NAME``; a hosted tool no plugin provides dropped and named in ``ignored``."""
     out = []
     for i, tool in enumerate(tools):
         where = f"tools.{i}"
-        if tool.get("type") == "custom":
-            out.append(_custom_tool(tool, where))
-            continue
-        if tool.get("type") != "function":
-            raise APIError(400, f"{where} is a {tool.get('type')!r} tool; lmdock serve runs function and custom tools only "
-                                "(the client runs them and sends back function_call_output)", param=f"{where}.type")
+        why = hosted("responses", tool.get("type"))
+        if why is not None:
+            ignored.add(f"tools[{i}] ({tool['type']}: {why})")
+        elif tool.get("type") == "namespace":
+            out += _namespace(tool, where)
+        else:
+            out.append(_tool(tool, where))
+    return out
+
+
+def _tool(tool: dict[str, Any], where: str, namespace: str | None = None) -> dict[str, Any]:
+    if tool.get("type") == "custom":
+        made = _custom_tool(tool, where)
+    elif tool.get("type") == "function":
         refuse_keys(tool, _TOOL_KEYS, where)
-        out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters", "strict")
-                                                     if tool.get(k) is not None}})
+        made = {"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters", "strict")
+                                                 if tool.get(k) is not None}}
+    else:
+        raise APIError(400, f"{where} is a {tool.get('type')!r} tool; lmdock serve runs function, custom and namespace tools "
+                            "(the client runs them and sends back function_call_output), and drops hosted ones it has no "
+                            "backend for (web_search, file_search, ...)", param=f"{where}.type")
+    if namespace is not None:
+        made["function"]["name"] = flat_name(namespace, string_field(tool, "name", where))
+    return made
+
+
+def _namespace(tool: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """A namespace's function and custom tools, flat; the namespace's description leads each one's."""
+    refuse_keys(tool, _NAMESPACE_KEYS, where)
+    name = string_field(tool, "name", where)
+    inner = tool.get("tools")
+    if not isinstance(inner, list):
+        raise APIError(400, f"{where}.tools must be a list of function or custom tools", param=f"{where}.tools")
+    out = []
+    for j, t in enumerate(inner):
+        if not isinstance(t, dict):
+            raise APIError(400, f"{where}.tools.{j} must be an object", param=f"{where}.tools.{j}")
+        t = {k: v for k, v in t.items() if k not in _NAMESPACE_EXTRAS}
+        made = _tool(t, f"{where}.tools.{j}", name)
+        if tool.get("description"):
+            made["function"]["description"] = f"{tool['description']}\n{made['function'].get('description', '')}".strip()
+        out.append(made)
+    return out
+
+
+def flat_name(namespace: str, name: str) -> str:
+    """A namespaced tool's name as a function tool's (function names hold no dots)."""
+    return f"{namespace}__{name}"
+
+
+def namespaced(tools: list[dict[str, Any]] | None) -> dict[str, tuple[str, str]]:
+    """The namespaced tools' flat names -> (namespace, name), to name their calls as the client knows them."""
+    out = {}
+    for tool in tools or ():
+        if isinstance(tool, dict) and tool.get("type") == "namespace" and isinstance(tool.get("tools"), list):
+            for t in tool["tools"]:
+                if isinstance(t, dict) and isinstance(t.get("name"), str):
+                    out[flat_name(tool["name"], t["name"])] = (tool["name"], t["name"])
     return out
 
 
 def custom_names(tools: list[dict[str, Any]] | None) -> frozenset[str]:
-    """The names of the custom tools among ``tools`` (their calls are ``custom_tool_call`` items)."""
-    return frozenset(t.get("name") for t in tools or () if isinstance(t, dict) and t.get("type") == "custom")  # type: ignore[misc]
+    """The names of the custom tools among ``tools`` (their calls are ``custom_tool_call`` items),
+    namespaced ones by their flat names."""
+    names = {t.get("name") for t in tools or () if isinstance(t, dict) and t.get("type") == "custom"}
+    for tool in tools or ():
+        if isinstance(tool, dict) and tool.get("type") == "namespace" and isinstance(tool.get("tools"), list):
+            names |= {flat_name(tool["name"], t["name"]) for t in tool["tools"] if isinstance(t, dict) and t.get("type") == "custom"}
+    return frozenset(names)  # type: ignore[arg-type]
 
 
 def _custom_tool(tool: dict[str, Any], where: str) -> dict[str, Any]:

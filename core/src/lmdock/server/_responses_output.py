@@ -24,7 +24,7 @@ import base64
 import binascii
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 #: A text item's type -> (its id prefix, its part's type, its delta and done events' prefix).
@@ -65,6 +65,8 @@ class Outputs:
     custom: frozenset[str] = frozenset()
     summary: bool = False
     token: bool = False
+    #: namespaced tools' flat names -> (namespace, name): their calls name both
+    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def text_item(self, kind: str, item_id: str, text: str, status: str) -> dict[str, Any]:
         """A ``message`` or ``reasoning`` item (its content empty while in progress)."""
@@ -81,10 +83,15 @@ class Outputs:
     def call_item(self, item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
         """A ``function_call`` item, or a ``custom_tool_call`` with the call's ``input`` (while in
         progress, empty)."""
+        namespace, short = self.namespaced.get(name, (None, name))
         if name in self.custom:
             value = custom_input(arguments) if status != "in_progress" else ""
-            return {"id": item_id, "type": "custom_tool_call", "call_id": call_id, "name": name, "input": value, "status": status}
-        return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments, "status": status}
+            item = {"id": item_id, "type": "custom_tool_call", "call_id": call_id, "name": short, "input": value, "status": status}
+        else:
+            item = {"id": item_id, "type": "function_call", "call_id": call_id, "name": short, "arguments": arguments, "status": status}
+        if namespace is not None:
+            item["namespace"] = namespace
+        return item
 
     def items(self, message: dict[str, Any], status: str) -> list[dict[str, Any]]:
         """Chat's assistant message as output items; a message item when there is text or nothing else."""
@@ -236,7 +243,7 @@ class EventSequence:
                 out = [self.event("response.custom_tool_call_input.delta", **where, delta=done["input"]),
                        self.event("response.custom_tool_call_input.done", **where, input=done["input"])]
             else:
-                out = [self.event("response.function_call_arguments.done", **where, name=item["name"], arguments=item["text"])]
+                out = [self.event("response.function_call_arguments.done", **where, name=done["name"], arguments=item["text"])]
         else:
             kind = item["kind"]
             done = self.outputs.text_item(kind, item["id"], item["text"], status)

@@ -8,6 +8,7 @@ byte is sent) -> collect the outputs, or stream :func:`choice_deltas` as SSE thr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -53,11 +54,12 @@ class Admission:
 
 async def engine_stream(st: ServerState, sm: ServedModel, prompt: str | list[int], params: Any,
                         add_special_tokens: bool = True, max_tokens_field: str | None = None,
-                        lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                        lora_request: LoRARequest | None = None, clamp: bool | None = None) -> AsyncIterator[RequestOutput]:
     """Submit one request and yield its snapshots; leaving early (disconnect, cancel) aborts it at once.
 
     ``max_tokens_field``: the name the client asked for a token count under; asking for more than the
-    context leaves is a 400 (as vLLM and OpenAI answer), where a default is cut at the context.
+    context leaves is a 400 (as vLLM and OpenAI answer), or cut to what it leaves where ``clamp`` (None:
+    ``[server] max_tokens_past_context`` says); a default is cut at the context.
     ``lora_request``: the adapter a ``NAME:ADAPTER`` model name asked for, or None."""
     llm = sm.llm
     await llm.acheck_grammar(params)  # in a worker process, off this loop (lmdock._grammar_check)
@@ -65,9 +67,13 @@ async def engine_stream(st: ServerState, sm: ServedModel, prompt: str | list[int
     if max_tokens_field is not None:
         room = llm.max_model_len - len(request.prompt_token_ids)
         if params.max_new_tokens > room:
-            raise APIError(400, f"{max_tokens_field}={params.max_new_tokens}: the prompt has {len(request.prompt_token_ids)} "
-                                f"tokens and the model's context is {llm.max_model_len}; ask for at most {max(room, 0)}",
-                           param=max_tokens_field)
+            if clamp is None:
+                clamp = st.settings.max_tokens_past_context == "clamp"
+            if not clamp or room <= 0:
+                raise APIError(400, f"{max_tokens_field}={params.max_new_tokens}: the prompt has {len(request.prompt_token_ids)} "
+                                    f"tokens and the model's context is {llm.max_model_len}; ask for at most {max(room, 0)}",
+                               param=max_tokens_field)
+            request = dataclasses.replace(request, params=request.params.replace(max_new_tokens=room))
     sink = AsyncQueueSink(asyncio.get_running_loop())
     timer = RequestTimer(st.metrics, sm.name)
     await submit(llm.engine, request, sink)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from lmdock._errors import LmdockError
 from lmdock._logprobs import chat_logprobs
 from lmdock._outputs import CompletionOutput, RequestOutput
+from lmdock.server._advisory import Ignored
 from lmdock.server._errors import APIError, as_api_error
 from lmdock.server._protocol import ChatRequest, usage
 from lmdock.server._state import ServedModel, ServerState, state_of
@@ -37,38 +38,56 @@ from lmdock.server._templates import check_request_template, render_bounded
 
 router = APIRouter()
 
+#: adjusts a chat body to the model that serves it, before rendering (see :func:`render`)
+Prepare = Callable[[ServedModel, ChatRequest], None]
+
 
 @router.post("/v1/chat/completions")
 async def chat(body: ChatRequest, request: Request) -> Response:
     run = await start_chat(body, request)
+    ignored = Ignored()  # what the grammar could not hold of the tools' and response format's schemas
+    ignored.loosened(run.plan, body.response_format.model_dump() if body.response_format else None, "response_format")
     if body.stream:
-        return sse_response(request, run.chunks(), run.admission, run.retry)
-    return JSONResponse(await run.whole())
+        return ignored.apply(sse_response(request, run.chunks(), run.admission, run.retry), "/v1/chat/completions")
+    return ignored.apply(JSONResponse(ignored.check(run.plan, await run.whole())), "/v1/chat/completions")
 
 
-async def start_chat(body: ChatRequest, request: Request) -> ChatRun:
+async def start_chat(body: ChatRequest, request: Request, prepare: Prepare | None = None, clamp: bool | None = None,
+                     thinking_budget: int | None = None) -> ChatRun:
     """Admit, render and submit a chat request: the :class:`ChatRun` to read it from.  Raises
-    :class:`APIError` (400 naming the field, 404, 429...) before anything is sent."""
+    :class:`APIError` (400 naming the field, 404, 429...) before anything is sent.  ``prepare``: see
+    :func:`render`; ``clamp``: a ``max_tokens`` past the context is cut to it (None: as ``[server]
+    max_tokens_past_context`` says); ``thinking_budget``: the thinking held to that many tokens where
+    the engine samples in lmdock's step loop and the prompt opens the thinking (``run.budget_held``)."""
     st = state_of(request)
-    sm, plan, prompt = await render(body, request)
+    sm, plan, prompt = await render(body, request, prepare)
     try:
         params = sm.llm.constrained(st.sampling_params(sm, body.overrides(), body), plan)
     except LmdockError as exc:
         raise _tool_error(exc, st.retry_after, sm) from None
+    budget = None
+    if thinking_budget is not None and sm.llm.backend.kind == "step":
+        budget = plan.thinking_budget(thinking_budget, sm.llm.tokenizer, prompt)
+        if budget is not None:
+            params = params.replace(logits_processors=(*params.logits_processors, budget))
     lora = st.adapter(body.model)  # NAME:ADAPTER runs under the adapter on NAME's engine
     admission, streams, firsts = await submit_admitted(request, st, sm, [prompt], params, add_special_tokens=False,
-                                                       max_tokens_field=body.max_tokens_field(), lora_request=lora)
+                                                       max_tokens_field=body.max_tokens_field(), lora_request=lora, clamp=clamp)
     run = ChatRun(body, request, sm, plan, admission, streams, firsts, st.retry_after, params.n)
+    run.budget_held = budget is not None
     if lora is not None:
         run.model = body.model  # the response names the adapter's model, as vLLM's does
     return run
 
 
-async def render(body: ChatRequest, request: Request) -> tuple[ServedModel, Any, str]:
+async def render(body: ChatRequest, request: Request, prepare: Prepare | None = None) -> tuple[ServedModel, Any, str]:
     """The model, the tools' plan and the prompt a chat request renders to: what :func:`start_chat`
-    submits, and what ``/v1/messages/count_tokens`` counts."""
+    submits, and what ``/v1/messages/count_tokens`` counts.  ``prepare(sm, body)``, once the model is
+    known, adjusts the body to it (the agent routes set the template's reasoning knob there)."""
     st = state_of(request)
     sm = await st.model(body.model, request, body.keep_alive)
+    if prepare is not None:
+        prepare(sm, body)
     plan = _plan(sm, body, st.retry_after)
     return sm, plan, await _render(st, sm, body, plan)
 
@@ -127,7 +146,10 @@ class ChatRun:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         # the rendered prompt's tokens: what the first token's text follows
         self.prompt_ids: list[int] = list(firsts[0].prompt_token_ids) if firsts and firsts[0] is not None else []
+        #: of which the prefix cache gave (0 where the engine does not count them)
+        self.cached_tokens: int = (firsts[0].num_cached_tokens or 0) if firsts and firsts[0] is not None else 0
         self.created = int(time.time())
+        self.budget_held = False  # a thinking budget asked for is held (see start_chat)
 
     def logprobs(self, c: Any, start: int) -> dict[str, Any] | None:
         if not self.body.logprobs:

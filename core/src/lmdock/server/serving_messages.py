@@ -23,9 +23,10 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import Field, model_validator
 
-from lmdock.server._chat_bridge import prompt_tokens, start_chat, typed_sse
+from lmdock.server._advisory import Ignored
+from lmdock.server._chat_bridge import ThinkingKnob, prompt_tokens, refuse_keys, start_chat, typed_sse
 from lmdock.server._errors import APIError, anthropic_error_body
-from lmdock.server._messages_blocks import chat_messages, chat_tool_choice, chat_tools
+from lmdock.server._messages_blocks import chat_messages, chat_tool_choice, chat_tools, has_cache_control
 from lmdock.server._protocol import StrictBody
 
 #: Chat's field names in errors from the chat path, as this API calls them.
@@ -63,24 +64,35 @@ router = APIRouter(route_class=_AnthropicErrors)
 
 
 class Metadata(StrictBody):
-    user_id: str | None = None  # an end user's id, for abuse reports: nothing to do on a local server
+    user_id: str | None = None  # advisory: an end user's id, for a provider's abuse reports
 
 
 class Thinking(StrictBody):
-    type: str
-    budget_tokens: int | None = None
+    """``adaptive``: the model's default; ``enabled``: thinking on (``enable_thinking: true``), on a
+    model with a reasoning parser; ``disabled``: off.  ``budget_tokens`` is advisory (not held)."""
+
+    type: Literal["adaptive", "enabled", "disabled"]
+    budget_tokens: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
-    def _disabled_only(self) -> Thinking:
-        """``disabled`` turns a reasoning model's thinking off (``enable_thinking: false`` to its template);
-        ``enabled`` asks for a budget of thinking tokens, which lmdock cannot hold a model to."""
-        if self.type != "disabled":
-            raise APIError(400, f"thinking.type {self.type!r}: lmdock cannot hold a model's thinking to budget_tokens; "
-                                "leave thinking out (a model with a reasoning parser thinks as its template says, and "
-                                "its thinking comes back as thinking blocks) or send {type: disabled}", param="thinking.type")
-        if self.budget_tokens is not None:
+    def _budget_when_on(self) -> Thinking:
+        if self.type == "disabled" and self.budget_tokens is not None:
             raise APIError(400, "thinking.budget_tokens: disabled thinking has no budget", param="thinking.budget_tokens")
         return self
+
+
+class OutputConfig(StrictBody):
+    effort: Literal["low", "medium", "high", "max"] | None = None
+    format: dict[str, Any] | None = None
+
+    def response_format(self) -> dict[str, Any] | None:
+        """``format`` (``{type: json_schema, schema}``) as chat's ``response_format``."""
+        if self.format is None:
+            return None
+        if self.format.get("type") != "json_schema" or not isinstance(self.format.get("schema"), dict):
+            raise APIError(400, "output_config.format: lmdock takes {type: json_schema, schema: {...}}", param="output_config.format")
+        refuse_keys(self.format, frozenset({"type", "schema"}), "output_config.format")
+        return {"type": "json_schema", "json_schema": {"name": "output", "schema": self.format["schema"]}}
 
 
 class _Conversation(StrictBody):
@@ -90,18 +102,36 @@ class _Conversation(StrictBody):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    context_management: dict[str, Any] | None = None  # advisory: context editing is the hosted API's
 
-    def chat(self) -> dict[str, Any]:
-        """The conversation, tools and tool choice as a chat request's fields."""
+    def chat(self, ignored: Ignored) -> dict[str, Any]:
+        """The conversation, tools and tool choice as a chat request's fields; the advisory fields it
+        carries go to ``ignored``."""
         chat: dict[str, Any] = {"model": self.model, "messages": chat_messages(self.system, self.messages)}
-        if self.thinking is not None:  # disabled: the one kind Thinking lets through
-            chat["chat_template_kwargs"] = {"enable_thinking": False}
+        if self.context_management is not None:
+            ignored.add("context_management")
         if self.tool_choice is not None and self.tool_choice.get("type") != "none" and not self.tools:
             raise APIError(400, f"tool_choice {self.tool_choice.get('type')!r} needs tools", param="tool_choice")
         if self.tools or self.tool_choice is not None:
             choice, parallel = chat_tool_choice(self.tool_choice) if self.tool_choice is not None else (None, None)
-            chat.update(tools=chat_tools(self.tools or []) or None, tool_choice=choice, parallel_tool_calls=parallel)
+            tools = chat_tools(self.tools or [], ignored) or None
+            if tools is None and choice == "auto":
+                choice = None  # its only tools were hosted ones, dropped: nothing is left to choose from
+            chat.update(tools=tools, tool_choice=choice, parallel_tool_calls=parallel)
+        if has_cache_control(self.system, self.messages, self.tools):
+            ignored.add("cache_control")
+        if self.output_config is not None and self.output_config.format is not None:
+            chat["response_format"] = self.output_config.response_format()
         return chat
+
+    def thinking_knob(self, ignored: Ignored) -> ThinkingKnob:
+        """What this request asks of the model's thinking, set on its template's knob."""
+        kind = self.thinking.type if self.thinking is not None else "adaptive"
+        budget = self.thinking.budget_tokens if self.thinking is not None else None
+        effort = self.output_config.effort if self.output_config is not None else None
+        return ThinkingKnob(ignored, "output_config.effort", "high" if effort == "max" else effort,
+                            {"adaptive": None, "enabled": True, "disabled": False}[kind], budget)
 
 
 class MessagesRequest(_Conversation):
@@ -112,10 +142,14 @@ class MessagesRequest(_Conversation):
     top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=1)
     metadata: Metadata | None = None
-    service_tier: Literal["auto", "standard_only"] | None = None
+    service_tier: str | None = None  # advisory: one tier
 
-    def chat(self) -> dict[str, Any]:
-        return {**super().chat(), "max_tokens": self.max_tokens, "stop": self.stop_sequences,
+    def chat(self, ignored: Ignored) -> dict[str, Any]:
+        if self.metadata is not None and self.metadata.user_id is not None:
+            ignored.add("metadata.user_id")
+        if self.service_tier is not None:
+            ignored.add("service_tier")
+        return {**super().chat(ignored), "max_tokens": self.max_tokens, "stop": self.stop_sequences,
                 "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
 
 
@@ -125,17 +159,32 @@ class CountTokensRequest(_Conversation):
 
 @router.post("/v1/messages")
 async def create(body: MessagesRequest, request: Request) -> Response:
-    run = await start_chat(body.chat(), request, NAMES, body.stream)
-    reply = _Reply(body, run.model, len(run.prompt_ids))
+    ignored = _beta(request)
+    chat = body.chat(ignored)
+    run = await start_chat(chat, request, NAMES, body.stream, body.thinking_knob(ignored))
+    ignored.loosened(run.plan, chat.get("response_format"), "output_config.format")
+    reply = _Reply(body, run.model, len(run.prompt_ids), run.cached_tokens)
     if body.stream:
-        return typed_sse(request, run, reply.events(run.chunks()), _error_event)
-    return JSONResponse(reply.whole(await run.whole()))
+        return ignored.apply(typed_sse(request, run, reply.events(run.chunks()), _error_event), "/v1/messages")
+    return ignored.apply(JSONResponse(reply.whole(ignored.check(run.plan, await run.whole()))), "/v1/messages")
 
 
 @router.post("/v1/messages/count_tokens")
-async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
+async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
     """The tokens the conversation's prompt takes, rendered as ``/v1/messages`` renders it."""
-    return {"input_tokens": await prompt_tokens(body.chat(), request, NAMES)}
+    ignored = _beta(request)
+    tokens = await prompt_tokens(body.chat(ignored), request, NAMES, body.thinking_knob(ignored))
+    return ignored.apply(JSONResponse({"input_tokens": tokens}), "/v1/messages/count_tokens")
+
+
+def _beta(request: Request) -> Ignored:
+    """The advisory beta flags: Anthropic's ``anthropic-beta`` header and ``?beta=true``."""
+    ignored = Ignored()
+    if request.headers.get("anthropic-beta"):
+        ignored.add(f"anthropic-beta ({request.headers['anthropic-beta']})")
+    if "beta" in request.query_params:
+        ignored.add("beta (query)")
+    return ignored
 
 
 def _error_event(err: dict[str, Any]) -> dict[str, Any]:
@@ -157,9 +206,13 @@ def _stop(choice: dict[str, Any], sequences: list[str] | None) -> tuple[str, str
     return "end_turn", None
 
 
-def _usage(chat_usage: dict[str, int] | None) -> dict[str, int]:
+def _usage(chat_usage: dict[str, Any] | None) -> dict[str, int]:
+    """Anthropic's usage: ``input_tokens`` are the prompt tokens computed, ``cache_read_input_tokens``
+    those the prefix cache gave (their sum is the prompt); nothing is written to a cache on request."""
     chat_usage = chat_usage or {}
-    return {"input_tokens": chat_usage.get("prompt_tokens", 0), "output_tokens": chat_usage.get("completion_tokens", 0)}
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": chat_usage.get("prompt_tokens", 0) - cached, "output_tokens": chat_usage.get("completion_tokens", 0),
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
 def _input(arguments: str) -> dict[str, Any]:
@@ -174,8 +227,8 @@ def _input(arguments: str) -> dict[str, Any]:
 class _Reply:
     """One message: its id and its body, whole or as events."""
 
-    def __init__(self, body: MessagesRequest, model: str, prompt_tokens: int) -> None:
-        self.body, self.model, self.prompt_tokens = body, model, prompt_tokens
+    def __init__(self, body: MessagesRequest, model: str, prompt_tokens: int, cached_tokens: int) -> None:
+        self.body, self.model, self.prompt_tokens, self.cached_tokens = body, model, prompt_tokens, cached_tokens
         self.id = f"msg_{uuid.uuid4().hex}"
 
     def message(self, content: list[dict[str, Any]], stop: tuple[str | None, str | None], usage: dict[str, int]) -> dict[str, Any]:
@@ -193,7 +246,7 @@ class _Reply:
 
     async def events(self, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
         """The chat chunks as Anthropic's event sequence."""
-        start = {"input_tokens": self.prompt_tokens, "output_tokens": 0}
+        start = _usage({"prompt_tokens": self.prompt_tokens, "prompt_tokens_details": {"cached_tokens": self.cached_tokens}})
         yield {"type": "message_start", "message": self.message([], (None, None), start)}
         yield {"type": "ping"}
         blocks = _Blocks()

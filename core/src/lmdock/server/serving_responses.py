@@ -18,7 +18,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, model_validator
 
-from lmdock.server._chat_bridge import start_chat, typed_sse
+from lmdock.server._advisory import Ignored
+from lmdock.server._chat_bridge import ThinkingKnob, start_chat, typed_sse
 from lmdock.server._errors import APIError
 from lmdock.server._protocol import StrictBody
 from lmdock.server._response_store import ResponseStore, Stored
@@ -28,6 +29,7 @@ from lmdock.server._responses_items import (
     chat_tools,
     custom_names,
     input_messages,
+    namespaced,
 )
 from lmdock.server._responses_output import EventSequence, Outputs, assistant, new_id
 
@@ -45,19 +47,13 @@ class TextConfig(StrictBody):
 
 
 class Reasoning(StrictBody):
-    """``effort`` none or minimal turns a model's thinking off (``enable_thinking: false`` to its
-    template), any other on (``true``): lmdock cannot grade how long a model thinks.  ``summary``
-    asks for the reasoning item's ``summary``, which is the reasoning text itself (lmdock has no
+    """``effort`` goes to the template's reasoning knob (:class:`ThinkingKnob`).  ``summary`` asks
+    for the reasoning item's ``summary``, which is the reasoning text itself (lmdock has no
     summarizer); ``none`` for none."""
 
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: Literal["auto", "concise", "detailed", "none"] | None = None
     generate_summary: Literal["auto", "concise", "detailed", "none"] | None = None  # summary's older name
-
-    def template_kwargs(self) -> dict[str, Any] | None:
-        if self.effort is None:
-            return None
-        return {"enable_thinking": self.effort not in ("none", "minimal")}
 
 
 class ResponsesRequest(StrictBody):
@@ -79,9 +75,10 @@ class ResponsesRequest(StrictBody):
     reasoning: Reasoning | None = None
     truncation: Literal["disabled"] | None = None  # "auto" would drop turns silently: refused
     include: list[str] | None = None
-    prompt_cache_key: str | None = None  # a hint: lmdock's prefix cache needs no key
-    service_tier: Literal["auto", "default"] | None = None
-    client_metadata: dict[str, str] | None = None  # about the client (Codex sends it), for a provider's logs: nothing to do
+    # advisory (lmdock.server._advisory): a cache routing key, a tier, facts about the client for a provider's logs
+    prompt_cache_key: str | None = None
+    service_tier: str | None = None
+    client_metadata: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _honourable(self) -> ResponsesRequest:
@@ -103,25 +100,34 @@ class ResponsesRequest(StrictBody):
             if len(key) > 64 or len(value) > 512:
                 raise APIError(400, f"metadata.{key}: keys are at most 64 characters, values 512", param=f"metadata.{key}")
 
-    def chat(self, history: tuple[dict[str, Any], ...]) -> dict[str, Any]:
-        """This request as a chat request over ``history`` (the conversation so far, this input included)."""
+    def chat(self, history: tuple[dict[str, Any], ...], ignored: Ignored) -> dict[str, Any]:
+        """This request as a chat request over ``history`` (the conversation so far, this input
+        included); the advisory fields it carries go to ``ignored``."""
+        for name in ("prompt_cache_key", "client_metadata", "service_tier"):
+            if getattr(self, name) is not None:
+                ignored.add(name)
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         chat: dict[str, Any] = {"model": self.model, "messages": [*system, *history], "max_tokens": self.max_output_tokens,
                                 "temperature": self.temperature, "top_p": self.top_p, "user": self.user}
         if self.tools or self.tool_choice is not None or self.parallel_tool_calls is not None:
-            chat.update(tools=chat_tools(self.tools or []) or None, parallel_tool_calls=self.parallel_tool_calls,
-                        tool_choice=None if self.tool_choice is None else chat_tool_choice(self.tool_choice))
+            tools = chat_tools(self.tools or [], ignored) or None
+            choice = None if self.tool_choice is None else chat_tool_choice(self.tool_choice)
+            if tools is None and choice == "auto":
+                choice = None  # its only tools were hosted ones, dropped: nothing is left to choose from
+            chat.update(tools=tools, parallel_tool_calls=self.parallel_tool_calls, tool_choice=choice)
         if self.text is not None and self.text.format is not None:
             chat["response_format"] = chat_response_format(self.text.format)
-        if self.reasoning is not None and self.reasoning.template_kwargs() is not None:
-            chat["chat_template_kwargs"] = self.reasoning.template_kwargs()
         return chat
 
+    def thinking_knob(self, ignored: Ignored) -> ThinkingKnob | None:
+        effort = self.reasoning.effort if self.reasoning is not None else None
+        return None if effort is None else ThinkingKnob(ignored, "reasoning.effort", effort)
+
     def outputs(self) -> Outputs:
-        """How this response's items look: its custom tools' calls, and what reasoning items carry."""
+        """How this response's items look: its custom and namespaced tools' calls, and what reasoning items carry."""
         r = self.reasoning
         return Outputs(custom_names(self.tools), summary=r is not None and (r.summary or r.generate_summary or "none") != "none",
-                       token="reasoning.encrypted_content" in (self.include or ()))
+                       token="reasoning.encrypted_content" in (self.include or ()), namespaced=namespaced(self.tools))
 
 
 @router.post("/v1/responses")
@@ -130,12 +136,15 @@ async def create(body: ResponsesRequest, request: Request) -> Response:
     history = (*_previous(store, body.previous_response_id), *input_messages(body.input))
     if not history:
         raise APIError(400, "input is empty: give a string or at least one item", param="input")
-    run = await start_chat(body.chat(history), request, NAMES, body.stream)
+    ignored = Ignored()
+    chat = body.chat(history, ignored)
+    run = await start_chat(chat, request, NAMES, body.stream, body.thinking_knob(ignored))
+    ignored.loosened(run.plan, chat.get("response_format"), "text.format")
     turn = _Turn(body, run.model, history, store)
     if body.stream:
         seq = EventSequence(body.outputs())
-        return typed_sse(request, run, turn.events(run.chunks(), seq), seq.error)
-    return JSONResponse(turn.whole(await run.whole()))
+        return ignored.apply(typed_sse(request, run, turn.events(run.chunks(), seq), seq.error), "/v1/responses")
+    return ignored.apply(JSONResponse(turn.whole(ignored.check(run.plan, await run.whole()))), "/v1/responses")
 
 
 @router.get("/v1/responses/{response_id}")
@@ -177,11 +186,12 @@ def _previous(store: ResponseStore, response_id: str | None) -> tuple[dict[str, 
     return found.history
 
 
-def _usage(chat_usage: dict[str, int] | None) -> dict[str, Any] | None:
+def _usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
     if chat_usage is None:
         return None
     p, c = chat_usage["prompt_tokens"], chat_usage["completion_tokens"]
-    return {"input_tokens": p, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)  # the prefix cache's
+    return {"input_tokens": p, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": c, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + c}
 
 

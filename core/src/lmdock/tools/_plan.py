@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmdock._errors import RequestError
+from lmdock._json_schemas import loosened
 from lmdock.tools._base import CallDelta, ToolCall, ToolParser, ToolStream
 from lmdock.tools._formats import up_to
-from lmdock.tools._reasoning import ReasoningParser, ReasoningStream
+from lmdock.tools._reasoning import ReasoningParser, ReasoningStream, ThinkingBudget
 
 ToolChoice = str | dict[str, Any] | None
 
@@ -69,6 +70,18 @@ def _args_as_object(call: Any) -> Any:
     return {**call, "function": {**fn, "arguments": args}}
 
 
+def _schema_error(arguments: str, schema: dict[str, Any]) -> str | None:
+    import jsonschema  # a core dependency, imported only when a loosened schema's output is checked
+
+    try:
+        jsonschema.validate(json.loads(arguments or "{}"), schema)
+    except ValueError as exc:
+        return f"arguments are no JSON: {exc}"
+    except (jsonschema.ValidationError, jsonschema.SchemaError) as exc:
+        return exc.message
+    return None
+
+
 def choice_of(tool_choice: ToolChoice, tools: list[dict[str, Any]]) -> str:
     """``"none"``, ``"auto"``, ``"required"`` or the name of the function ``tool_choice`` forces."""
     if tool_choice is None:
@@ -101,6 +114,8 @@ class ChatPlan:
     parser: ToolParser | None = None
     reasoning: ReasoningParser | None = None
     opened: bool = False  # the prompt opened a thinking span
+    #: each tool's schema keywords the grammar could not hold (``lmdock._json_schemas.loosened``), by tool name
+    loosened: dict[str, list[str]] = field(default_factory=dict)
 
     @classmethod
     def make(cls, tools: Any, tool_choice: ToolChoice, parallel: bool | None, template_kwargs: dict[str, Any] | None, *,
@@ -119,7 +134,31 @@ class ChatPlan:
                                "set [models.NAME] tool_parser (see `docs/tools.md`) or send tool_choice: \"none\"")
         if (template_kwargs or {}).get("enable_thinking") is False:
             reasoning = None  # thinking off: the reply is all answer
-        return cls(checked, choice, True if parallel is None else bool(parallel), parser, reasoning)
+        loose = {t["function"]["name"]: names for t in checked if (names := loosened(t["function"].get("parameters") or {})[1])}
+        return cls(checked, choice, True if parallel is None else bool(parallel), parser, reasoning, loosened=loose)
+
+    def invalid(self, calls: list[dict[str, Any]]) -> list[str]:
+        """What is wrong with ``calls`` (OpenAI's ``tool_calls`` items) whose tool's schema was loosened,
+        checked against the schema the client sent (``jsonschema``), one line a call; the others are
+        valid by construction or unconstrained."""
+        out = []
+        for call in calls:
+            fn = call.get("function") or {}
+            if fn.get("name") in self.loosened:
+                problem = _schema_error(fn.get("arguments") or "", self._params(fn["name"]))
+                if problem is not None:
+                    out.append(f"{fn['name']}: {problem}")
+        return out
+
+    def thinking_budget(self, budget: int, tokenizer: Any, prompt: str) -> ThinkingBudget | None:
+        """A logits processor holding the thinking to ``budget`` tokens (:class:`ThinkingBudget`), or None
+        where there is no span to hold: no reasoning parser, or a prompt that does not open the thinking."""
+        if self.reasoning is None or not self.opened:
+            return None
+        return ThinkingBudget(budget, self.reasoning.end, tokenizer, len(tokenizer.encode(prompt, add_special_tokens=False)))
+
+    def _params(self, name: str) -> dict[str, Any]:
+        return next(t["function"].get("parameters") or {} for t in self.tools if t["function"]["name"] == name)
 
     @property
     def template_tools(self) -> list[dict[str, Any]] | None:

@@ -10,6 +10,7 @@ off (``chat_template_kwargs={"enable_thinking": False}``) nothing is read as thi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from lmdock.tools._base import held_back
 
@@ -72,3 +73,27 @@ class ReasoningStream:
 
 
 BUILTIN_REASONING: tuple[type[ReasoningParser], ...] = (ReasoningParser,)
+
+
+class ThinkingBudget:
+    """A logits processor holding a thinking span to ``budget`` tokens, as llama.cpp's reasoning budget
+    does: past it, the end-of-thinking marker's tokens are forced one by one (unless the model has
+    ended its thinking itself).  For a prompt that opened the span (the reply starts inside it);
+    stateless, so the ``n`` completions of a request can share it."""
+
+    def __init__(self, budget: int, end: str, tokenizer: Any, prompt_len: int) -> None:
+        self.budget, self.end, self.tok, self.prompt_len = budget, end, tokenizer, prompt_len
+        self.end_ids = list(tokenizer.encode(end, add_special_tokens=False))
+
+    def __call__(self, token_ids: list[int], logits: Any) -> Any:
+        out = token_ids[self.prompt_len:]
+        if len(out) < self.budget or not self.end_ids:
+            return logits
+        if self.end in self.tok.decode(out):
+            return logits  # the thinking has ended: the answer is free
+        done = next((k for k in range(len(self.end_ids) - 1, 0, -1) if out[-k:] == self.end_ids[:k]), 0)
+        forced = self.end_ids[done]
+        value = logits[forced]
+        logits[:] = float("-inf")
+        logits[forced] = value if value > float("-inf") else 0.0
+        return logits

@@ -66,13 +66,15 @@ class _Live:
     sink: OutputSink
     completions: dict[int, CompletionOutput] = field(default_factory=dict)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    cached_tokens: int | None = None  # vLLM's count of prompt tokens from its prefix cache
 
     def outputs(self) -> list[CompletionOutput]:
         return sorted(self.completions.values(), key=lambda c: c.index)
 
     def answer(self, outputs: list[CompletionOutput], finished: bool) -> None:
         req = self.request
-        safe_put(self.sink, RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outputs, finished, self.prompt_logprobs))
+        safe_put(self.sink, RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outputs, finished, self.prompt_logprobs,
+                                        self.cached_tokens))
 
 
 class VllmEngine:
@@ -348,6 +350,7 @@ class VllmEngine:
             live.completions[c.index] = completion(c, live.completions.get(c.index))
         if out.prompt_logprobs is not None and live.prompt_logprobs is None:
             live.prompt_logprobs = logprobs(out.prompt_logprobs)
+        live.cached_tokens = getattr(out, "num_cached_tokens", None)
         finished = bool(out.finished)
         if finished:
             del self._live[out.request_id]
