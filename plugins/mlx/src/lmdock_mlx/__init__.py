@@ -32,11 +32,20 @@ SPEC = BackendSpec(
     kind="step",
     plugin_api="1.0",
     supports=frozenset({"generate", "chat", "stream", "sampling", "logit_bias", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search", "structured_output", "tools",
-                        "quantization", "lora"}),
+                        "quantization", "lora", "moe"}),
+    # families the family tests found exact although their feature is lacked in general, and families
+    # refused whatever they need (docs/model-families.md)
+    family_support={"sliding_window": frozenset({"gemma3_text"}), "recurrent_state": frozenset({"falcon_h1"})},
+    refuses_families={"gpt2": "mlx-lm 0.32 does not read transformers 5's gpt2 config (n_ctx is written as n_positions)"},
     lacks={
         "embed": "mlx-lm serves causal LMs",
         "score": "mlx-lm serves causal LMs",
         "offload": "MLX keeps weights in unified memory",
+        # model features: what lmdock-conformance's family tests found (docs/model-families.md)
+        "sliding_window": "mlx-lm keeps a full-context cache for Mistral's and Qwen2's window, so tokens differ past the window",
+        "attention_sinks": "unverified: mlx-lm 0.32 does not read transformers 5's gpt-oss config keys",
+        "logit_softcapping": "Gemma 2's batched cache cannot broadcast in mlx-lm's attention (a crash on a batch)",
+        "recurrent_state": "mlx-lm 0.32 fails to load bamba, lfm2, granitemoehybrid and qwen3_next checkpoints written by transformers 5",
     },
     requires=("mlx", "mlx_lm"),
     engine_packages=("mlx", "mlx-lm"),  # mlx-lm's caches and model calls (docs/authoring-backends.md)

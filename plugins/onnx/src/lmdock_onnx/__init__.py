@@ -80,6 +80,14 @@ SPEC = BackendSpec(
     lacks={
         "offload": "ONNX Runtime holds the whole graph in one session; no OffloadPolicy",
         "lora": "not wired yet: onnxruntime-genai's Multi-LoRA adapters are not passed through (issue 33)",
+        # model features: what lmdock-conformance's family tests found (docs/model-families.md)
+        "sliding_window": "the exported graph's window counts KV-buffer positions, not token positions: logits differ once a "
+                          "sequence passes the window",
+        "attention_sinks": "gpt-oss does not export: its expert router hits aten::histc, which torch.onnx cannot export",
+        "logit_softcapping": "unverified: Gemma 2, the family that soft-caps, also needs sliding windows, which this export lacks",
+        "recurrent_state": "the export's KV wrapper holds attention caches only: hybrid SSM / conv models fail with "
+                           "'Cannot get conv state'",
+        "moe": "mixture-of-experts routing hits aten::histc, which torch.onnx cannot export",
     },
     requires=("onnxruntime", "numpy"),
     # onnxruntime runs the graph (a GPU build instead where installed); transformers loads tokenizers and,

@@ -79,7 +79,9 @@ SPEC = BackendSpec(
     plugin_api="1.0",
     supports=frozenset(
         {"generate", "chat", "stream", "sampling", "logit_bias", "logprobs", "prompt_logprobs", "structured_output", "tools", "quantization",
-         "next_token_logprobs", "beam_search", "embed", "score", "lora"}
+         "next_token_logprobs", "beam_search", "embed", "score", "lora",
+         # every model feature: vLLM implements each family's own layers (lmdock-conformance family tests)
+         "sliding_window", "attention_sinks", "logit_softcapping", "recurrent_state", "moe"}
     ),
     lacks={
         "offload": "no portable mapping: pass backends.vllm.engine_args = {cpu_offload_gb = N} for vLLM's weight offload to RAM",
