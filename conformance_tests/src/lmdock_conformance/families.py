@@ -62,7 +62,8 @@ class Outcomes:
             return
         family = match.group(2)
         if report.failed:
-            self.failed.setdefault(family, f"{match.group(1)}: {str(report.longrepr).strip().splitlines()[-1][:300]}")
+            errors = [line[1:].strip() for line in str(report.longrepr).splitlines() if line.startswith("E ")]
+            self.failed.setdefault(family, f"{match.group(1)}: {(errors or ['failed'])[0][:300]}")
         elif report.passed and report.when == "call":
             self.passed.add(family)
 

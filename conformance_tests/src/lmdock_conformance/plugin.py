@@ -28,6 +28,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--lmdock-options", default="{}", help="JSON: options for LLM(...), e.g. '{\"build\": {\"dtype\": \"float32\"}}'")
     group.addoption("--lmdock-zoo", default=None, help="a built model-family zoo (python -m lmdock_conformance.zoo build DIR): runs test_families")
     group.addoption("--lmdock-zoo-families", default=None, help="comma-separated: only these zoo families (default: every one built)")
+    group.addoption("--lmdock-zoo-probe", action="store_true",
+                    help="load every family even where the spec refuses it, to find which the engine runs exactly (for writing the declarations)")
     group.addoption("--lmdock-zoo-outcomes", default=None, help="write each family's outcome (exact / refused / diverged) to this JSON file")
 
 

@@ -42,7 +42,8 @@ _SLIDING_PAIR = {"sliding_window": WINDOW, "layer_types": ["sliding_attention", 
 _MAMBA = {"mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_n_groups": 1,
           "mamba_chunk_size": 16}
 
-#: family name -> (transformers model_type, config overrides).  A family name differs from its
+#: family name -> (transformers model_type, config overrides).  Gemma and LFM2 tie their embeddings
+#: as the released models do (mlx-lm's ports have no separate lm_head for them).  A family name differs from its
 #: model_type where one model_type is built two ways (qwen2 with and without its window layers).
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
@@ -52,8 +53,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("qwen3", {}),
     "qwen3_moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "decoder_sparse_step": 1}),
     "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    "gemma2": ("gemma2", {**_SLIDING_PAIR, "query_pre_attn_scalar": 32}),
-    "gemma3_text": ("gemma3_text", {**_SLIDING_PAIR, "query_pre_attn_scalar": 32}),
+    "gemma2": ("gemma2", {**_SLIDING_PAIR, "query_pre_attn_scalar": 32, "tie_word_embeddings": True}),
+    "gemma3_text": ("gemma3_text", {**_SLIDING_PAIR, "query_pre_attn_scalar": 32, "tie_word_embeddings": True}),
     "phi3": ("phi3", {"sliding_window": WINDOW}),
     "gpt2": ("gpt2", {"n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 512, "n_inner": 128}),
     "gpt_oss": ("gpt_oss", {**_SLIDING_PAIR, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64}),
@@ -61,7 +62,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "granite": ("granite", {}),
     "falcon_h1": ("falcon_h1", {**_MAMBA, "mamba_d_ssm": 128}),
     "bamba": ("bamba", {**_MAMBA, "attn_layer_indices": [1]}),
-    "lfm2": ("lfm2", {"layer_types": ["conv", "full_attention"], "block_ff_dim": 128, "block_auto_adjust_ff_dim": False}),
+    "lfm2": ("lfm2", {"layer_types": ["conv", "full_attention"], "block_ff_dim": 128, "block_auto_adjust_ff_dim": False,
+                      "tie_word_embeddings": True}),
     "granitemoehybrid": ("granitemoehybrid", {**_MAMBA, "layer_types": ["mamba", "attention"], "num_local_experts": 4,
                                               "num_experts_per_tok": 2, "shared_intermediate_size": 64}),
     "qwen3_next": ("qwen3_next", {"layer_types": ["linear_attention", "full_attention"], "num_experts": 4, "num_experts_per_tok": 2,
@@ -110,6 +112,10 @@ def build(folder: str | Path, families: list[str] | None = None, tokenizer: str 
     prompts = _prompts(tokenizer)
     out: dict[str, Any] = {"format": FORMAT, "transformers": transformers.__version__, "seed": SEED, "window": WINDOW,
                            "max_new_tokens": MAX_NEW_TOKENS, "tie_margin": TIE_MARGIN, "prompts": prompts, "families": {}, "skipped": {}}
+    if families and (folder / "zoo.json").is_file():  # rebuild these families, keep the others
+        kept = json.loads((folder / "zoo.json").read_text())
+        if kept.get("format") == FORMAT and kept.get("prompts") == prompts:
+            out["families"] = {k: v for k, v in kept["families"].items() if k not in families}
     for family in families or list(FAMILIES):
         model_type, overrides = FAMILIES[family]
         try:

@@ -89,24 +89,29 @@ class Backend:
 
 def refuse_unsupported_family(spec: BackendSpec, model: str) -> None:
     """Raise UnsupportedError before loading when ``model`` needs a feature (lmdock._families) that
-    ``spec`` lacks, or is of a family ``spec`` refuses: naming the family, what is missing, the
-    backend's reason and the installed backends that have it.  A model whose config cannot be read
-    here (a hub id not in the cache) is left to the engine."""
+    ``spec`` lacks, or is of a family ``spec`` refuses.  A model whose config cannot be read here (a
+    hub id not in the cache) is left to the engine."""
     from lmdock._families import model_features
 
     found = model_features(model)
-    if found is None:
-        return
+    if found is not None and (why := family_refusal(spec, found, model)):
+        raise UnsupportedError(why)
+
+
+def family_refusal(spec: BackendSpec, found: Any, model: str) -> str | None:
+    """Why ``spec`` refuses a model with these features (lmdock._families.ModelFeatures), naming the
+    family, what is missing, the backend's reason and the installed backends that have it; None
+    when it runs it."""
     who = spec.package or f"backend {spec.name!r}"
     family = found.model_type
     if family in spec.refuses_families:
-        raise UnsupportedError(f"{model!r} is a {family} model, which {who} refuses: {spec.refuses_families[family]}; "
-                               f"{_instead(spec, found.features, family, model)}")
+        return (f"{model!r} is a {family} model, which {who} refuses: {spec.refuses_families[family]}; "
+                f"{_instead(spec, found.features, family, model)}")
     for feature, detail in found.features.items():
         ok, why = spec.capability(feature, family)
         if not ok:
-            raise UnsupportedError(f"{model!r} is a {family} model with {detail}; {who} lacks {feature!r}: {why}; "
-                                   f"{_instead(spec, found.features, family, model)}")
+            return f"{model!r} is a {family} model with {detail}; {who} lacks {feature!r}: {why}; {_instead(spec, found.features, family, model)}"
+    return None
 
 
 def _instead(spec: BackendSpec, features: Any, family: str, model: str) -> str:
