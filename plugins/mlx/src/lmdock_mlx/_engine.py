@@ -37,7 +37,6 @@ from lmdock.backend import SeqChunk, StepOutput, read_model_json
 
 from lmdock_mlx._lora import DEFAULT_MAX_LORAS, Adapters
 
-
 #: Keys transformers 5 writes under names mlx-lm 0.32 does not read, by model_type: {mlx-lm's name:
 #: transformers 5's}.  Without them the load fails (a missing ModelArgs field); kept in one place so
 #: the drift is visible and ends where mlx-lm catches up.
