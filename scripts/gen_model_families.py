@@ -7,6 +7,7 @@ declaration, so neither can drift::
 
     python scripts/gen_model_families.py          # rewrite docs/model-families.md
     python scripts/gen_model_families.py --check  # exit 1 if it is stale
+    python scripts/gen_model_families.py --compare RUN.json  # exit 1 if a CI run's outcomes differ from the committed ones
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ prefix caching on and off) on the zoo of tiny random-weight checkpoints
 **exact**: every family test gave transformers' tokens (a divergence only where the reference's top-2
 margin is under 1e-3, a tie). **refused**: the load raised `UnsupportedError`; the reason is below.
 **not run**: the backend's family tests have not run on this family (see the notes).
+
+Backends without a column have no family run yet, and refuse every feature they have not shown
+exact: lmdock-trtllm (the family tests need an NVIDIA GPU) and lmdock-llamacpp (the zoo holds no
+GGUF conversions yet; it declares `moe` from Mixtral runs and lacks the other four with reasons in
+`lmdock backends`). lmdock-hf's column is added from its run once its window, sink and hybrid-cache
+work lands (issue 38).
 """
 
 
@@ -72,7 +79,27 @@ def _cell(outcome: dict | None) -> str:
     return {"exact": "exact", "refused": "refused", "diverged": "**diverges**"}.get(outcome["outcome"], outcome["outcome"])
 
 
+def compare(run_file: Path) -> list[str]:
+    """How a family run's outcomes differ from the committed ``docs/families/NAME.json`` (a refusal's
+    reason may change wording; its outcome may not)."""
+    run = json.loads(run_file.read_text())
+    committed = DATA / f"{run['backend']}.json"
+    if not committed.is_file():
+        return [f"no {committed.relative_to(ROOT)}: copy {run_file} there and run python scripts/gen_model_families.py"]
+    want = json.loads(committed.read_text())["families"]
+    got = run["families"]
+    diffs = [f"{f}: committed {want[f]['outcome'] if f in want else 'not run'}, this run {got[f]['outcome'] if f in got else 'not run'}"
+             f"{(' (' + got[f]['reason'] + ')') if f in got and got[f]['reason'] else ''}"
+             for f in sorted(want.keys() | got.keys()) if (want.get(f) or {}).get("outcome") != (got.get(f) or {}).get("outcome")]
+    return diffs
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--compare"]:
+        diffs = [d for f in argv[1:] for d in compare(Path(f))]
+        for d in diffs:
+            print(d, file=sys.stderr)
+        return 1 if diffs else 0
     text = render(load())
     if "--check" in argv:
         if PAGE.read_text() != text:

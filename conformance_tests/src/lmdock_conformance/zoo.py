@@ -38,6 +38,9 @@ FORMAT = 1
 BASE: dict[str, Any] = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "max_position_embeddings": 512,
                         "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "tie_word_embeddings": False}
+#: GPT-2 names its sizes itself, and has no grouped-query attention: Llama's keys would only mislead
+#: a backend that reads num_key_value_heads.
+_GPT2_BASE = {k: BASE[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings")}
 _SLIDING_PAIR = {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]}
 _MAMBA = {"mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_n_groups": 1,
           "mamba_chunk_size": 16}
@@ -145,7 +148,7 @@ def _model(model_type: str, overrides: dict[str, Any]) -> Any:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(model_type, **{**BASE, **overrides})
+    config = AutoConfig.for_model(model_type, **{**(_GPT2_BASE if model_type == "gpt2" else BASE), **overrides})
     config._attn_implementation = "eager"  # noqa: SLF001 - the reference is eager attention
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -203,7 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--family", action="append", choices=sorted(FAMILIES), help="only these (repeatable)")
     b.add_argument("--tokenizer", default=None, help="stories260K's folder (default: $LMDOCK_MODELS/stories260K)")
     args = parser.parse_args(argv)
-    out = build(args.dir or default_dir(), args.family, args.tokenizer)
+    try:
+        out = build(args.dir or default_dir(), args.family, args.tokenizer)
+    except ImportError as exc:
+        parser.exit(2, f"the zoo is built with torch and transformers: {exc}; pip install 'lmdock-conformance[models]'\n")
     print(json.dumps({"built": sorted(out["families"]), "skipped": out["skipped"]}))
     return 0
 
