@@ -87,8 +87,10 @@ SPEC = BackendSpec(
     lacks={
         "offload": "no portable mapping: pass backends.vllm.engine_args = {cpu_offload_gb = N} for vLLM's weight offload to RAM",
         "recurrent_state": "vLLM 0.32 does not start on the hybrid checkpoints transformers 5 writes: bamba's 'linear_attention' "
-                           "layers go to its Transformers fallback, which cannot run them, and its LFM2 reads conv_dim, no longer written",
+                           "layers go to its Transformers fallback, which cannot run them, and its LFM2 reads conv_dim, no longer written "
+                           "(falcon_h1 runs exactly)",
     },
+    family_support={"recurrent_state": frozenset({"falcon_h1"})},
     requires=("vllm",),
     engine_packages=tuple(BUILDS),  # whichever build is installed, each with its own tested range
     package="lmdock-vllm",
