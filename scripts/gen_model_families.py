@@ -43,8 +43,8 @@ Backends without a column have no family run yet, and refuse every feature they 
 exact: lmdock-trtllm (the family tests need an NVIDIA GPU) and lmdock-llamacpp (the zoo holds no
 GGUF conversions yet; it declares `moe` from Mixtral runs and lacks the other four with reasons in
 `lmdock backends`). lmdock-hf's column is added from its run once its window, sink and hybrid-cache
-work lands (issue 38). lmdock-vllm runs five families, which between them need every feature
-(gemma2, gpt_oss, falcon_h1, bamba, lfm2): its engine takes minutes to start on CPUs.
+work lands (issue 38). lmdock-vllm runs the families that between them need every feature (gemma2,
+gpt_oss, falcon_h1) and the hybrids it refuses: its engine takes minutes to start on CPUs.
 """
 
 

