@@ -4,7 +4,8 @@
 from a fixed seed, saved with all-MiniLM-L6-v2's tokenizer, and caches the folder under
 ``$LMDOCK_CACHE_DIR/test-models`` (``~/.cache/lmdock/test-models``).  Equivalence does not need trained
 weights; ``weights_checksum`` lets a test tell a differently built model from a wrong backend.
-Needs torch and transformers (imported here, on first use).
+Needs torch and transformers (imported here, on first use; ``lmdock-conformance[models]``): where
+they are missing, the tests that make these models skip saying so (:func:`need`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,18 @@ CONFIG = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "
 NAME = f"bert-cross-encoder-h64-l2-hd32-seed{SEED}"
 
 
+def need(*modules: str) -> None:
+    """Skip the calling test, naming what to install, when one of ``modules`` is not installed: the
+    suite's model builders need them, the backend under test may not (MLX, llama.cpp)."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        import pytest
+
+        pytest.skip(f"this test makes its model with {', '.join(missing)}, not installed here: pip install 'lmdock-conformance[models]'")
+
+
 def cache_dir() -> Path:
     base = os.environ.get("LMDOCK_CACHE_DIR")
     root = Path(base).expanduser() if base else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lmdock"
@@ -33,6 +46,7 @@ def cross_encoder(minilm: str | Path) -> Path:
     folder = cache_dir() / NAME
     if (folder / "config.json").is_file():
         return folder
+    need("torch", "transformers")
     import torch
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
@@ -55,6 +69,7 @@ def cross_encoder(minilm: str | Path) -> Path:
 
 def weights_checksum(folder: str | Path) -> float:
     """Sum of |w| over the saved weights (float64): the same for the same build."""
+    need("safetensors")
     from safetensors.numpy import load_file
 
     tensors: dict[str, Any] = load_file(str(Path(folder) / "model.safetensors"))
@@ -71,6 +86,7 @@ def lora_adapter(model: str | Path, folder: str | Path, seed: int, rank: int = 4
     move the logprobs by nats.  Made without PEFT, from the checkpoint's safetensors alone."""
     import json
 
+    need("safetensors")
     import numpy as np
     from safetensors import safe_open
     from safetensors.numpy import save_file

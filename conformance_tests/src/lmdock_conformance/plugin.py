@@ -26,6 +26,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--lmdock-embed-model", default=os.environ.get("LMDOCK_EMBED_MODEL"),
                     help="all-MiniLM-L6-v2 (a folder) for the embed/score tests; default $LMDOCK_EMBED_MODEL")
     group.addoption("--lmdock-options", default="{}", help="JSON: options for LLM(...), e.g. '{\"build\": {\"dtype\": \"float32\"}}'")
+    group.addoption("--lmdock-zoo", default=None, help="a built model-family zoo (python -m lmdock_conformance.zoo build DIR): runs test_families")
+    group.addoption("--lmdock-zoo-families", default=None, help="comma-separated: only these zoo families (default: every one built)")
+    group.addoption("--lmdock-zoo-probe", action="store_true",
+                    help="load every family even where the spec refuses it, to find which the engine runs exactly (for writing the declarations)")
+    group.addoption("--lmdock-zoo-outcomes", default=None, help="write each family's outcome (exact / refused / diverged) to this JSON file")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -73,6 +78,30 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             ok, reason = spec.capability(capability)
             if not ok:
                 pytest.skip(f"backend {spec.name!r} lacks capability {capability!r}: {reason}")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """test_families runs once per zoo family (module-scoped: each family's model loads once)."""
+    if "zoo_family" not in metafunc.fixturenames:
+        return
+    from lmdock_conformance.families import zoo_families
+
+    names = zoo_families(metafunc.config)
+    metafunc.parametrize("zoo_family", names or ["no-zoo"], indirect=True, scope="module")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    from lmdock_conformance.families import OUTCOMES
+
+    OUTCOMES.note(report)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    target = session.config.getoption("--lmdock-zoo-outcomes", default=None)
+    if target and session.config.getoption("--lmdock-backend"):
+        from lmdock_conformance.families import OUTCOMES
+
+        OUTCOMES.write(target, _spec(session.config))
 
 
 def _spec(config: pytest.Config) -> Any:

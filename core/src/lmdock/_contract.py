@@ -49,6 +49,13 @@ CAPABILITIES: Mapping[str, str] = {
     "quantization": "at least one QuantConfig algorithm",
     "offload": "OffloadPolicy: weights partly in RAM or on disk",
     "lora": "LoRARequest: per-request LoRA adapters (PEFT folders), several in one batch",
+    # Model features (lmdock._families reads them from the model's config before loading; a model
+    # that needs one the backend lacks is refused at load, never run with different tokens).
+    "sliding_window": "sliding-window attention, global or per layer (Mistral, Qwen2/3 window layers, Gemma 2/3, Phi-3, gpt-oss)",
+    "attention_sinks": "attention with learned sinks (gpt-oss)",
+    "logit_softcapping": "attention and final logit soft-capping (Gemma 2)",
+    "recurrent_state": "SSM / convolution layers with a recurrent state (Falcon-H1, Bamba, LFM2, Granite 4 hybrids, Qwen3-Next, Mamba)",
+    "moe": "mixture-of-experts layers (Mixtral, Qwen3-MoE, gpt-oss)",
 }
 
 
@@ -98,6 +105,13 @@ class BackendSpec:
     #: refused before loading, saying which one can.
     model_formats: frozenset[str] = frozenset({"hf"})
     options: type | None = None
+    #: Model families (``model_type``) this backend refuses at load whatever their features, each
+    #: with the reason: failures specific to one family ("mlx-lm cannot load gpt2 configs").
+    refuses_families: Mapping[str, str] = field(default_factory=dict)
+    #: Model-feature capabilities the backend lacks in general but runs exactly for some families,
+    #: by feature: ``{"sliding_window": frozenset({"gemma3_text"})}`` (an engine that implements
+    #: Gemma 3's windows and ignores Mistral's).  Only families the family tests show exact.
+    family_support: Mapping[str, frozenset[str]] = field(default_factory=dict)
     #: Largest absolute logprob error the backend promises against the float32 reference, by key:
     #: "logprobs" (unquantized; the conformance suite's default is 1e-4) and each QuantConfig algo
     #: it honours.  lmdock-conformance holds the backend to these.
@@ -112,9 +126,10 @@ class BackendSpec:
     description: str = ""
     plugin: str = ""  # filled in by the core: the registering plugin's name
 
-    def capability(self, name: str) -> tuple[bool, str]:
-        """``(True, "")`` when supported, else ``(False, reason)``."""
-        if name in self.supports:
+    def capability(self, name: str, family: str | None = None) -> tuple[bool, str]:
+        """``(True, "")`` when supported (for ``family``, where given: see ``family_support``), else
+        ``(False, reason)``."""
+        if name in self.supports or (family is not None and family in self.family_support.get(name, ())):
             return True, ""
         return False, self.lacks.get(name, f"backend {self.name!r} does not declare {name!r}")
 

@@ -84,6 +84,47 @@ class Backend:
         has_offload, why = self.spec.capability("offload")
         if mc.offload.enabled and not has_offload:
             raise UnsupportedError(f"{who} does not offload weights ({why}); remove [offload]")
+        refuse_unsupported_family(self.spec, mc.model)
+
+
+def refuse_unsupported_family(spec: BackendSpec, model: str) -> None:
+    """Raise UnsupportedError before loading when ``model`` needs a feature (lmdock._families) that
+    ``spec`` lacks, or is of a family ``spec`` refuses.  A model whose config cannot be read here (a
+    hub id not in the cache) is left to the engine."""
+    from lmdock._families import model_features
+
+    found = model_features(model)
+    if found is not None and (why := family_refusal(spec, found, model)):
+        raise UnsupportedError(why)
+
+
+def family_refusal(spec: BackendSpec, found: Any, model: str) -> str | None:
+    """Why ``spec`` refuses a model with these features (lmdock._families.ModelFeatures), naming the
+    family, what is missing, the backend's reason and the installed backends that have it; None
+    when it runs it."""
+    who = spec.package or f"backend {spec.name!r}"
+    family = found.model_type
+    if family in spec.refuses_families:
+        return (f"{model!r} is a {family} model, which {who} refuses: {spec.refuses_families[family]}; "
+                f"{_instead(spec, found.features, family, model)}")
+    for feature, detail in found.features.items():
+        ok, why = spec.capability(feature, family)
+        if not ok:
+            return f"{model!r} is a {family} model with {detail}; {who} lacks {feature!r}: {why}; {_instead(spec, found.features, family, model)}"
+    return None
+
+
+def _instead(spec: BackendSpec, features: Any, family: str, model: str) -> str:
+    """What to use instead: the installed backends that read this format and have every feature."""
+    from lmdock._contract import model_format
+    from lmdock._plugins import get_registry
+
+    fmt = model_format(model)
+    fits = [s.name for s in get_registry().backends.values()
+            if s.name != spec.name and fmt in s.model_formats and family not in s.refuses_families and all(s.capability(f, family)[0] for f in features)]
+    if fits:
+        return "use " + " or ".join(f"backend = {n!r}" for n in sorted(fits))
+    return f"use a backend that lists {', '.join(features) or family} in `lmdock backends` (lmdock-hf runs every family)"
 
 
 def has_nvidia_gpu() -> bool:

@@ -145,3 +145,31 @@ def test_streamed_logprobs_equal_the_final_ones(llm: LLM) -> None:
     assert len(snapshots) > 2 and len(streamed.logprobs) == len(streamed.token_ids) == 12
     assert [{t: lp.logprob for t, lp in pos.items()} for pos in streamed.logprobs] == [{t: lp.logprob for t, lp in pos.items()} for pos in final.logprobs]
     assert all(len(s.outputs[0].logprobs) == len(s.outputs[0].token_ids) for s in snapshots)
+
+
+def test_an_engine_failure_at_load_is_lmdocks_error_naming_the_model(tmp_path: Path) -> None:
+    """A checkpoint without weights: vLLM fails deep in its loader (not with the ValueError of a bad
+    configuration); lmdock's error names the model instead of vLLM's exception coming through raw."""
+    import shutil
+
+    from lmdock import BackendError
+
+    folder = tmp_path / "no-weights"
+    folder.mkdir()
+    for f in Path(model()).iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, folder / f.name)
+    with pytest.raises(BackendError) as info:
+        LLM(str(folder), backend="vllm")
+    assert repr(str(folder)) in str(info.value), str(info.value)
+
+
+def test_engine_error_keeps_lmdocks_errors_and_wraps_the_engines() -> None:
+    from lmdock import BackendError, RequestError
+    from lmdock_vllm._build import engine_error
+
+    mine = RequestError("bad request")
+    assert engine_error(mine, "/m", "running") is mine
+    wrapped = engine_error(AttributeError("'NoneType' object has no attribute 'conv'"), "/m", "loading")
+    assert isinstance(wrapped, BackendError)
+    assert str(wrapped) == "vLLM failed loading '/m': AttributeError: 'NoneType' object has no attribute 'conv'"

@@ -28,6 +28,22 @@ SPEC = lmdock.backend.BackendSpec(
         "quantization": "the reference engine computes in float32 only",
         "offload": "weights are NumPy arrays in RAM",
         "lora": "the template runs no adapters",
+        # model features: what a Llama needs and nothing more (a copy that adds one declares it)
+        "sliding_window": "the reference Llama attends to the whole context",
+        "attention_sinks": "the reference Llama has plain softmax attention",
+        "logit_softcapping": "the reference Llama does not soft-cap logits",
+        "recurrent_state": "the reference Llama has attention layers only",
+        "moe": "the reference Llama has dense MLPs only",
+    },
+    # Llama's relatives whose layers differ in ways the reference Llama does not implement; any other
+    # model_type is refused by the engine as it loads (lmdock_template._engine)
+    refuses_families={
+        "qwen2": "the reference Llama has no q/k/v projection biases",
+        "qwen3": "the reference Llama has no per-head q/k norms",
+        "olmo2": "the reference Llama has no q/k norms and normalises before, not after, each block",
+        "granite": "the reference Llama has no embedding, residual, attention or logit multipliers",
+        "phi3": "the reference Llama reads separate q/k/v and gate/up projections, not Phi-3's fused ones",
+        "gpt2": "the reference Llama has rotary positions, not learned absolute ones, and RMSNorm, not LayerNorm",
     },
     requires=("numpy", "safetensors", "tokenizers"),
     # The template runs its own NumPy forward: no engine, so no engine_packages.  A backend over an

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from lmdock import BackendError, ModelConfig
+from lmdock import BackendError, ModelConfig, UnsupportedError
 from lmdock.backend import SeqChunk, StepOutput, read_model_json
 
 
@@ -130,7 +130,7 @@ class NumpyLlama:
             raise BackendError(f"lmdock-template loads local folders with config.json and model.safetensors; {mc.model!r} is not one")
         config = read_model_json(mc.model, "config.json")
         if config.get("model_type") != "llama":
-            raise BackendError(f"lmdock-template runs Llama models, not {config.get('model_type')!r}")
+            raise UnsupportedError(f"lmdock-template runs Llama models, not {config.get('model_type')!r}; use backend = 'hf'")
         weights = {k: v.astype(np.float32) for k, v in load_file(str(folder / "model.safetensors")).items()}
         engine = cls(folder, config, weights, Tokenizer(Path(mc.tokenizer or folder)))
         if mc.build.max_seq_len:  # the portable limits: context and the KV budget the scheduler keeps to

@@ -91,12 +91,18 @@ SPEC = BackendSpec(
     kind="step",
     plugin_api="1.0",
     supports=frozenset({"generate", "chat", "stream", "sampling", "logit_bias", "logprobs", "prompt_logprobs", "next_token_logprobs",
-                        "beam_search", "quantization", "structured_output", "tools"}),
+                        "beam_search", "quantization", "structured_output", "tools", "moe"}),
     lacks={
         "embed": "lmdock-llamacpp runs causal LMs; llama.cpp's embedding mode is not wired up yet",
         "score": "lmdock-llamacpp runs causal LMs; llama.cpp's reranking mode is not wired up yet",
         "offload": "no OffloadPolicy: llama.cpp maps the file (use_mmap) and places layers with n_gpu_layers",
         "lora": "not wired yet: llama-cpp-python takes adapters per model (lora_path), not per request (issue 33)",
+        # model features: what lmdock-conformance's family tests found (docs/model-families.md)
+        "sliding_window": "llama.cpp ran Mistral's window as full attention (tokens differ past the window)",
+        "attention_sinks": "unverified: no gpt-oss GGUF in the family tests",
+        "logit_softcapping": "unverified: Gemma 2 GGUFs were only partly exact in the family tests",
+        "recurrent_state": "a fork copies a recurrent state whole (llama_memory_seq_cp cannot cut it back to the prefix), so "
+                           "prefix reuse gives later requests a wrong state",
     },
     requires=("llama_cpp", "numpy", "jinja2"),
     engine_packages=("llama-cpp-python",),  # its low-level C API (docs/authoring-backends.md)

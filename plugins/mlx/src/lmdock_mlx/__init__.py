@@ -32,11 +32,23 @@ SPEC = BackendSpec(
     kind="step",
     plugin_api="1.0",
     supports=frozenset({"generate", "chat", "stream", "sampling", "logit_bias", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search", "structured_output", "tools",
-                        "quantization", "lora"}),
+                        "quantization", "lora", "moe"}),
+    # families the family tests found exact although their feature is lacked in general, and families
+    # refused whatever they need (docs/model-families.md)
+    family_support={"recurrent_state": frozenset({"falcon_h1", "lfm2"})},
+    refuses_families={"gpt2": "mlx-lm 0.32 cannot load transformers 5's gpt2 checkpoints (their weight names differ from its port's)"},
     lacks={
         "embed": "mlx-lm serves causal LMs",
         "score": "mlx-lm serves causal LMs",
         "offload": "MLX keeps weights in unified memory",
+        # model features: what lmdock-conformance's family tests found (docs/model-families.md)
+        "sliding_window": "mlx-lm attends past Mistral's, Phi-3's and Qwen2's windows (tokens differ past the window), and its "
+                          "Gemma 3 reads the window pattern from sliding_window_pattern, not layer_types (a step fails)",
+        "attention_sinks": "unverified: mlx-lm 0.32 reads gpt-oss's YaRN rotary settings only from rope_scaling, which transformers 5 "
+                           "configs do not write",
+        "logit_softcapping": "a batch of Gemma 2 sequences fails in mlx-lm's attention (its merged cache cannot be reshaped)",
+        "recurrent_state": "mlx-lm 0.32 has no bamba, and reads granitemoehybrid's and qwen3_next's layer pattern from keys "
+                           "transformers 5 no longer writes (the load fails); falcon_h1 and lfm2 run exactly",
     },
     requires=("mlx", "mlx_lm"),
     engine_packages=("mlx", "mlx-lm"),  # mlx-lm's caches and model calls (docs/authoring-backends.md)

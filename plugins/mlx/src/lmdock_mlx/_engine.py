@@ -37,6 +37,25 @@ from lmdock.backend import SeqChunk, StepOutput, read_model_json
 
 from lmdock_mlx._lora import DEFAULT_MAX_LORAS, Adapters
 
+#: Keys transformers 5 writes under names mlx-lm 0.32 does not read, by model_type: {mlx-lm's name:
+#: transformers 5's}.  Without them the load fails (a missing ModelArgs field); kept in one place so
+#: the drift is visible and ends where mlx-lm catches up.
+KEY_NAMES: dict[str, dict[str, str]] = {
+    "qwen3_moe": {"num_experts": "num_local_experts"},
+    "gpt2": {"n_ctx": "n_positions"},
+    "lfm2": {"block_dim": "hidden_size"},
+}
+
+
+def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
+    """What mlx-lm must be told beside config.json: the rotary keys spelled the old way and the
+    renamed keys of :data:`KEY_NAMES`."""
+    out = rope_overrides(config)
+    for old, new in KEY_NAMES.get(config.get("model_type", ""), {}).items():
+        if old not in config and new in config:
+            out[old] = config[new]
+    return out
+
 
 def rope_overrides(config: dict[str, Any]) -> dict[str, Any]:
     """The config keys mlx-lm needs spelled the old way (from transformers 5's rope_parameters)."""
@@ -116,7 +135,7 @@ class MlxStepEngine:
             mx.set_default_device(mx.gpu)
         config = read_model_json(mc.model, "config.json")
         try:
-            model, wrapper = mlx_load(mc.model, model_config=rope_overrides(config))
+            model, wrapper = mlx_load(mc.model, model_config=config_overrides(config))
         except UnsupportedError:
             raise
         except Exception as exc:

@@ -79,11 +79,18 @@ SPEC = BackendSpec(
     plugin_api="1.0",
     supports=frozenset(
         {"generate", "chat", "stream", "sampling", "logit_bias", "logprobs", "prompt_logprobs", "structured_output", "tools", "quantization",
-         "next_token_logprobs", "beam_search", "embed", "score", "lora"}
+         "next_token_logprobs", "beam_search", "embed", "score", "lora",
+         # model features: the family tests found Gemma 2's windows and soft-capping, gpt-oss's sinks,
+         # windows and experts exact (docs/model-families.md)
+         "sliding_window", "attention_sinks", "logit_softcapping", "moe"}
     ),
     lacks={
         "offload": "no portable mapping: pass backends.vllm.engine_args = {cpu_offload_gb = N} for vLLM's weight offload to RAM",
+        "recurrent_state": "vLLM 0.32 does not start on the hybrid checkpoints transformers 5 writes: bamba's 'linear_attention' "
+                           "layers go to its Transformers fallback, which cannot run them, and its LFM2 reads conv_dim, no longer written "
+                           "(falcon_h1 runs exactly)",
     },
+    family_support={"recurrent_state": frozenset({"falcon_h1"})},
     requires=("vllm",),
     engine_packages=tuple(BUILDS),  # whichever build is installed, each with its own tested range
     package="lmdock-vllm",

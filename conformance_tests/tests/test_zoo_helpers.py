@@ -1,0 +1,36 @@
+"""The family tests' own logic: a divergence at a near-tie is not a failure, any other is; a zoo that
+was not built says how to build it (no torch needed to read one)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from lmdock_conformance.families import first_divergence
+from lmdock_conformance.zoo import FORMAT, read
+
+REF = {"tokens": [5, 6, 7, 8], "margins": [0.5, 0.0004, 0.3, 0.2]}
+
+
+def test_equal_tokens_pass() -> None:
+    assert first_divergence([5, 6, 7, 8], REF, 1e-3) is None
+
+
+def test_a_divergence_at_a_tie_passes_and_one_past_a_clear_margin_fails() -> None:
+    assert first_divergence([5, 9, 1, 1], REF, 1e-3) is None  # token 1's top-2 margin is 4e-4: either is greedy
+    diff = first_divergence([5, 6, 9, 8], REF, 1e-3)
+    assert diff is not None and diff.startswith("token 2: got 9, transformers 7 (top-2 margin 0.3000)")
+    assert first_divergence([9, 6, 7, 8], REF, 1e-3) is not None
+
+
+def test_missing_tokens_fail() -> None:
+    assert "3 tokens, transformers 4" in (first_divergence([5, 6, 7], REF, 1e-3) or "")
+
+
+def test_an_unbuilt_or_stale_zoo_says_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="python -m lmdock_conformance.zoo build"):
+        read(tmp_path)
+    (tmp_path / "zoo.json").write_text(json.dumps({"format": FORMAT + 1}))
+    with pytest.raises(ValueError, match="rebuild it"):
+        read(tmp_path)

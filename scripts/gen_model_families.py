@@ -1,0 +1,115 @@
+"""Render docs/model-families.md from the family conformance runs' outcomes.
+
+Each backend's run writes its outcomes (``--lmdock-zoo-outcomes=docs/families/NAME.json``, see
+scripts/test.sh); this script turns those files into the family x backend table.  docs/tests checks
+that the committed page is what this renders and that every outcome agrees with the backend's
+declaration, so neither can drift::
+
+    python scripts/gen_model_families.py          # rewrite docs/model-families.md
+    python scripts/gen_model_families.py --check  # exit 1 if it is stale
+    python scripts/gen_model_families.py --compare RUN.json  # exit 1 if a CI run's outcomes differ from the committed ones
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "docs" / "families"
+PAGE = ROOT / "docs" / "model-families.md"
+ORDER = ("hf", "onnx", "mlx", "vllm", "llamacpp", "template", "trtllm")
+
+HEADER = """# Model families
+
+Every model family lmdock runs gives the tokens transformers' own greedy `generate` gives (float32,
+eager attention), or is **refused at load** with the reason; it never runs with different tokens.
+A backend declares what it lacks as capabilities (`sliding_window`, `attention_sinks`,
+`logit_softcapping`, `recurrent_state`, `moe`; see [authoring-backends.md](authoring-backends.md#model-features)),
+and the loader reads the model's features from its `config.json` (or GGUF metadata) before loading.
+
+The table is generated from lmdock-conformance's family tests (`test_families`: one prompt past the
+16-token window, a mixed-length batch of four, requests one after another, a shared prefix with
+prefix caching on and off) on the zoo of tiny random-weight checkpoints
+(`python -m lmdock_conformance.zoo build DIR`), by `python scripts/gen_model_families.py` from
+`docs/families/*.json`; `docs/tests` checks that it is current and agrees with each backend's declaration.
+
+**exact**: every family test gave transformers' tokens (a divergence only where the reference's top-2
+margin is under 1e-3, a tie). **refused**: the load raised `UnsupportedError`; the reason is below.
+**not run**: the backend's family tests have not run on this family (see the notes).
+
+Backends without a column have no family run yet, and refuse every feature they have not shown
+exact: lmdock-trtllm (the family tests need an NVIDIA GPU) and lmdock-llamacpp (the zoo holds no
+GGUF conversions yet; it declares `moe` from Mixtral runs and lacks the other four with reasons in
+`lmdock backends`). lmdock-hf's column is added from its run once its window, sink and hybrid-cache
+work lands (issue 38). lmdock-vllm runs the families that between them need every feature (gemma2,
+gpt_oss, falcon_h1) and the hybrids it refuses: its engine takes minutes to start on CPUs.
+"""
+
+
+def load() -> dict[str, dict]:
+    runs = {p.stem: json.loads(p.read_text()) for p in sorted(DATA.glob("*.json"))}
+    return dict(sorted(runs.items(), key=lambda kv: (ORDER.index(kv[0]) if kv[0] in ORDER else len(ORDER), kv[0])))
+
+
+def render(runs: dict[str, dict]) -> str:
+    families = sorted({f for run in runs.values() for f in run["families"]})
+    lines = [HEADER, "| family | features | " + " | ".join(runs) + " |", "|---|---|" + "---|" * len(runs)]
+    for family in families:
+        info = next(r["families"][family] for r in runs.values() if family in r["families"])
+        features = ", ".join(info.get("features") or []) or "-"
+        cells = [_cell(run["families"].get(family)) for run in runs.values()]
+        lines.append(f"| {family} | {features} | " + " | ".join(cells) + " |")
+    lines += ["", "## Why each refusal", ""]
+    for name, run in runs.items():
+        reasons = sorted({f"{f}: {v['reason']}" for f, v in run["families"].items() if v["outcome"] == "refused"})
+        if reasons:
+            lines.append(f"**{name}** ({run.get('engine') or run.get('package') or name}):")
+            lines += [f"- {r}" for r in reasons]
+            lines.append("")
+    notes = [f"- **{name}**: {run['note']}" for name, run in runs.items() if run.get("note")]
+    if notes:
+        lines += ["## Notes", "", *notes, ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _cell(outcome: dict | None) -> str:
+    if outcome is None:
+        return "not run"
+    return {"exact": "exact", "refused": "refused", "diverged": "**diverges**"}.get(outcome["outcome"], outcome["outcome"])
+
+
+def compare(run_file: Path) -> list[str]:
+    """How a family run's outcomes differ from the committed ``docs/families/NAME.json`` (a refusal's
+    reason may change wording; its outcome may not)."""
+    run = json.loads(run_file.read_text())
+    committed = DATA / f"{run['backend']}.json"
+    if not committed.is_file():
+        return [f"no {committed.relative_to(ROOT)}: copy {run_file} there and run python scripts/gen_model_families.py"]
+    want = json.loads(committed.read_text())["families"]
+    got = run["families"]
+    diffs = [f"{f}: committed {want[f]['outcome'] if f in want else 'not run'}, this run {got[f]['outcome'] if f in got else 'not run'}"
+             f"{(' (' + got[f]['reason'] + ')') if f in got and got[f]['reason'] else ''}"
+             for f in sorted(want.keys() | got.keys()) if (want.get(f) or {}).get("outcome") != (got.get(f) or {}).get("outcome")]
+    return diffs
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--compare"]:
+        diffs = [d for f in argv[1:] for d in compare(Path(f))]
+        for d in diffs:
+            print(d, file=sys.stderr)
+        return 1 if diffs else 0
+    text = render(load())
+    if "--check" in argv:
+        if PAGE.read_text() != text:
+            print(f"{PAGE.relative_to(ROOT)} is stale: run python scripts/gen_model_families.py", file=sys.stderr)
+            return 1
+        return 0
+    PAGE.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
