@@ -38,6 +38,7 @@ def client(server: Server) -> openai.OpenAI:
 
 
 def test_text_is_the_chat_paths_text(served: Server) -> None:
+    """``POST /v1/responses`` through the openai client: the chat path's text."""
     c = client(served)
     r = c.responses.create(model="stories", input="Once upon a time", max_output_tokens=20, temperature=0)
     chat = c.chat.completions.create(model="stories", messages=[{"role": "user", "content": "Once upon a time"}], max_tokens=20,
@@ -343,18 +344,18 @@ def test_the_store_is_bounded_least_recently_used_first_out() -> None:
 def test_the_store_is_bounded_in_bytes_and_keeps_json_not_objects() -> None:
     from lmdock.server._response_store import ResponseStore, Stored
 
-    store = ResponseStore(limit=100, max_bytes=1000)
     big = [{"role": "user", "content": "x" * 300}]
     first = Stored.of({"id": "a"}, (), big)
-    assert store.put("a", first) and store.bytes == first.size
     # a turn continuing "a" shares its messages' bytes objects (no copy), and counts them
     second = Stored.of({"id": "b"}, first.messages, [{"role": "assistant", "content": "y" * 300}])
     assert second.messages[0] is first.messages[0] and second.history()[0] == big[0]
-    store.put("b", second)
-    store.put("c", Stored.of({"id": "c"}, (), big))  # past 1000 bytes: "a", the least recently used, goes
-    assert store.get("a") is None and store.get("b") is not None and store.bytes <= 1000
+    bound = first.size + second.size
+    store = ResponseStore(limit=100, max_bytes=bound)
+    assert store.put("a", first) and store.put("b", second) and store.bytes == bound
+    store.put("c", Stored.of({"id": "c"}, (), big))  # past the bound: "a", the least recently used, goes
+    assert store.get("a") is None and store.get("b") is not None and store.get("c") is not None and store.bytes <= bound
     assert not store.put("d", Stored.of({"id": "d"}, (), [{"content": "z" * 2000}]))  # larger than the bound alone
-    assert store.get("d") is None and store.bytes <= 1000
+    assert store.get("d") is None and store.bytes <= bound
 
 
 # What Codex (openai/codex, wire_api = "responses") sends: its instructions, developer and user
