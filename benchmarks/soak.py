@@ -93,7 +93,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise SystemExit("lmdock serve did not start")
                 await asyncio.sleep(0.3)
-            attacks = Attacks(http, url, adapter, args.crash_grammars)
+            attacks = Attacks(http, url, adapter, args.crash_grammars, args.attack_pause)
             start_rss = await warm_up(attacks, proc.pid) if args.attacks else 0
             start = time.monotonic()
             stop_at = start + args.seconds
@@ -168,9 +168,10 @@ async def main_async(args: argparse.Namespace) -> int:
           f"(drift {drift:+.1f}%; target < 5%)")
     before, peak, after = burst_rss
     burst_drift = (after - before) / before * 100 if before else 0.0
-    print(f"bursts: {args.bursts} x (4 x n={args.burst_n}, 4 x logprobs=20 n=16): server RSS {before / 1024:.0f} MiB before, "
-          f"{peak / 1024:.0f} MiB at the peak, {after / 1024:.0f} MiB idle after (drift {burst_drift:+.1f}%; target < 5%); "
-          f"{stats.get('num_sequences_held', 0)} sequences held")
+    if args.bursts:
+        print(f"bursts: {args.bursts} x (4 x n={args.burst_n}, 4 x logprobs=20 n=16): server RSS {before / 1024:.0f} MiB before, "
+              f"{peak / 1024:.0f} MiB at the peak, {after / 1024:.0f} MiB idle after (drift {burst_drift:+.1f}%; target < 5%); "
+              f"{stats.get('num_sequences_held', 0)} sequences held")
     print(f"server exit code after SIGTERM: {code}")
     ok = (counts["lost"] == 0 and counts["hung"] == 0 and stats.get("num_sequences_held", 0) == 0 and stats["in_flight"] == 0
           and burst_drift < 5)
@@ -211,7 +212,9 @@ async def end_checks(http: Any, url: str, pid: int, start_rss: int) -> dict[str,
 
 
 async def bursts(http: Any, url: str, pid: int, args: argparse.Namespace) -> tuple[int, int, int]:
-    """RSS (KiB) before the bursts, at their peak, and once idle after them."""
+    """RSS (KiB) before the bursts, at their peak, and once idle after them (zeros with ``--bursts 0``)."""
+    if args.bursts == 0:
+        return 0, 0, 0
     body = {"model": "stories", "prompt": "Once upon a time", "max_tokens": 64, "temperature": 1.0}
     wide = {**body, "n": args.burst_n}
     logprobs = {**body, "n": 16, "logprobs": 20}
@@ -257,6 +260,7 @@ def main() -> None:
     ap.add_argument("--attacks", action="store_true", help="add issue 39's hostile clients and end with the health checks")
     ap.add_argument("--crash-grammars", action="store_true",
                     help="with --attacks: also the grammars that crash llguidance (400s once grammars compile in workers)")
+    ap.add_argument("--attack-pause", type=float, default=0.25, help="with --attacks: seconds between one attacker's requests")
     ap.add_argument("--store-max-bytes", type=int, default=16 * 2**20, help="with --attacks: [server] response_store_max_bytes")
     sys.exit(asyncio.run(main_async(ap.parse_args())))
 

@@ -19,6 +19,7 @@ Every 5xx, dropped connection or unexpected status is counted as a failure of it
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections import Counter
@@ -43,6 +44,7 @@ WRONG: list[tuple[str, Any]] = [
     ("/v1/completions", {"model": "stories", "prompt": "x", "max_tokens": "many"}),
     ("/v1/completions", b"{not json"),
     ("/tokenize", {"model": "stories", "messages": [{"role": {"x": 1}}]}),
+    ("/v1/chat/completions", {"model": "stories", "messages": [{"role": ["user"], "content": "x"}]}),
 ]
 
 
@@ -89,8 +91,9 @@ def make_adapter(model: Path, folder: Path) -> Path:
 class Attacks:
     """The attack loops against one server; ``counts[kind, outcome]``."""
 
-    def __init__(self, http: Any, url: str, adapter: Path, crash_grammars: bool) -> None:
-        self.http, self.url, self.adapter, self.crash_grammars = http, url, adapter, crash_grammars
+    def __init__(self, http: Any, url: str, adapter: Path, crash_grammars: bool, pause: float = 0.0) -> None:
+        """``pause``: seconds each attacker waits between its requests (a mix, not a flood)."""
+        self.http, self.url, self.adapter, self.crash_grammars, self.pause = http, url, adapter, crash_grammars, pause
         self.counts: Counter[tuple[str, str]] = Counter()
 
     def failures(self) -> int:
@@ -108,6 +111,7 @@ class Attacks:
             self.counts[kind, f"dropped ({type(exc).__name__})"] += 1
             return None
         self.counts[kind, "ok" if r.status_code in ok else f"status {r.status_code}"] += 1
+        await asyncio.sleep(self.pause)
         return r
 
     async def wrong_types(self, stop_at: float) -> None:

@@ -165,7 +165,7 @@ def test_declared_adapters_on_a_backend_without_lora_are_refused(fake: Any, isol
     with pytest.raises(UnsupportedError, match=r"\[models.NAME.adapters\]: backend 'fake' cannot run LoRA adapters"):
         LLM("m")
     (isolated / "lmdock.toml").write_text('[models.m]\nmodel = "m"\nbackend = "fake"\n[models.m.adapters]\n"a:b" = "a"\n')
-    with pytest.raises(lmdock.ConfigError, match="an adapter name is letters"):
+    with pytest.raises(lmdock.ConfigError, match="an adapter name is 1 to 64 letters"):
         LLM("m")
 
 

@@ -230,3 +230,13 @@ def test_after_the_fuzzing_the_known_greedy_text_is_served(app: tuple[TestClient
     client, _ = app
     r = client.post("/v1/completions", json={"model": "stories", "prompt": "Once upon a time", "max_tokens": 40, "temperature": 0})
     assert r.json()["choices"][0]["text"] == DOCUMENTED
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/tokenize"])
+def test_a_chat_message_whose_role_is_not_a_string_is_a_400(app: tuple[TestClient, Path], route: str) -> None:
+    """It was rendered as if it had a role (a 200 from a body the template never understood)."""
+    client, _ = app
+    r = client.post(route, json={"model": "stories", "messages": [{"role": {"x": 1}, "content": "hi"}], "max_tokens": 2}
+                    if route != "/tokenize" else {"model": "stories", "messages": [{"role": ["user"], "content": "hi"}]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages.0.role" and "must be a string" in r.json()["error"]["message"]

@@ -684,7 +684,8 @@ class ModelConfig:
         check(bool(self.model), "model", "must be a local path or a hub id")
         for adapter in self.adapters:
             check(bool(ADAPTER_NAME.fullmatch(adapter)), "adapters",
-                  f"an adapter name is letters, digits, '.', '_' and '-' (a server serves it as MODEL:ADAPTER), got {adapter!r}")
+                  f"an adapter name is 1 to 64 letters, digits, '.', '_' and '-' (a server serves it as MODEL:ADAPTER), "
+                  f"got {adapter!r}")
         check(self.keep_alive == -1 or self.keep_alive >= 0, "keep_alive",
               f"must be seconds >= 0, or -1 (never unload), got {self.keep_alive!r}")
         object.__setattr__(self, "autoscaling", replica_tables(self.replicas, self.autoscaling, self.ray_actor_options))
