@@ -102,7 +102,7 @@ def test_each_prompt_runs_under_its_own_adapter_in_one_batch(fakelora: FakeLoraP
 
 def test_an_adapter_that_cannot_load_fails_its_request_alone(fakelora: FakeLoraPlugin) -> None:
     with LLM("m", backend="fakelora") as llm:
-        with pytest.raises(RequestError, match=r"lora_request 'missing': the adapter at '/nowhere' could not be loaded: FileNotFoundError"):
+        with pytest.raises(RequestError, match=r"lora_request 'missing': the adapter at '/nowhere' could not be loaded \(FileNotFoundError"):
             llm.generate([PROMPT], GREEDY, lora_request=LoRARequest("missing", "/nowhere"))
         assert llm.generate([PROMPT], GREEDY, lora_request=LoRARequest("bias-20", "/a"))[0].outputs[0].token_ids == [20] * 6
 
@@ -165,7 +165,7 @@ def test_declared_adapters_on_a_backend_without_lora_are_refused(fake: Any, isol
     with pytest.raises(UnsupportedError, match=r"\[models.NAME.adapters\]: backend 'fake' cannot run LoRA adapters"):
         LLM("m")
     (isolated / "lmdock.toml").write_text('[models.m]\nmodel = "m"\nbackend = "fake"\n[models.m.adapters]\n"a:b" = "a"\n')
-    with pytest.raises(lmdock.ConfigError, match="an adapter name is letters"):
+    with pytest.raises(lmdock.ConfigError, match="an adapter name is 1 to 64 letters"):
         LLM("m")
 
 
@@ -245,8 +245,11 @@ def test_read_lora_adapter_gives_modules_shapes_and_peft_scales(tmp_path: Any) -
 
 
 @pytest.mark.parametrize(("config", "shapes", "match"), [
-    ({"r": 4, "use_dora": True}, _ab("q_proj", 4), "sets use_dora=True, which lmdock does not implement"),
-    ({"r": 4, "peft_type": "IA3"}, _ab("q_proj", 4), "peft_type 'IA3' is not a LoRA adapter"),
+    ({"r": 4, "use_dora": True}, _ab("q_proj", 4), r"sets use_dora \(other than False\), which lmdock does not implement"),
+    ({"r": 4, "peft_type": "IA3"}, _ab("q_proj", 4), "peft_type is not LORA: not a LoRA adapter"),
+    ({"r": "4"}, _ab("q_proj", 4), "r must be a positive integer"),
+    ({"r": 4, "rank_pattern": {"(a+)+X": 2}}, _ab("q_proj", 4), "rank_pattern has a key that is not a module name"),
+    ({"r": 4, "alpha_pattern": {"q_proj": "x"}}, _ab("q_proj", 4), "alpha_pattern must be a positive number"),
     ({"r": 4}, {"base_model.model.embed_tokens.weight": [8, 8]}, "'base_model.model.embed_tokens.weight' is not a lora_A / lora_B weight"),
     ({"r": 4}, {"base_model.model.q_proj.lora_A.weight": [4, 8]}, "module 'q_proj' lacks lora_B"),
     ({"r": 4}, {}, "holds no lora_A / lora_B weights"),
@@ -268,3 +271,55 @@ def test_a_lora_module_is_checked_against_the_models_layer(tmp_path: Any) -> Non
         module.check(lora, 8, 8, max_rank=None)
     with pytest.raises(RequestError, match="rank 4 exceeds build.max_lora_rank = 2"):
         module.check(lora, 16, 8, max_rank=2)
+
+
+def test_a_lora_rank_past_the_default_bound_is_refused(tmp_path: Any) -> None:
+    """With no build.max_lora_rank, ranks above DEFAULT_MAX_LORA_RANK (64, docs/lora.md) are refused
+    from the header alone, before any weight is read (a rank-200,000 adapter cost +100 MB)."""
+    from lmdock._lora import DEFAULT_MAX_LORA_RANK
+    from lmdock.backend import read_lora_adapter
+
+    assert DEFAULT_MAX_LORA_RANK == 64
+    lora = LoRARequest("x", _peft_folder(tmp_path / "x", {"r": 200_000}, _ab("q_proj", 200_000, out_f=8, in_f=8)))
+    (module,) = read_lora_adapter(lora)[1]
+    with pytest.raises(RequestError, match=r"rank 200000 exceeds build.max_lora_rank = 64 \(the default\)"):
+        module.check(lora, 8, 8, max_rank=None)
+    module.check(lora, 8, 8, max_rank=200_000)  # an operator who raises it gets it
+
+
+def test_rank_pattern_keys_match_as_names_never_as_regexes(tmp_path: Any) -> None:
+    """PEFT's keys match a module name's dotted end, ``^KEY`` the whole name; a regex such as
+    ``(a+)+X`` (which Python's re would backtrack on for minutes against a long module name) is
+    refused at once, naming the field."""
+    import time
+
+    from lmdock.backend import read_lora_adapter
+
+    shapes = {**_ab("model.layers.0.self_attn.q_proj", 2), **_ab("model.layers.1.self_attn.q_proj", 4)}
+    config = {"r": 4, "rank_pattern": {"^model.layers.0.self_attn.q_proj": 2}, "alpha_pattern": {"layers\\.1\\.self_attn.q_proj": 16}}
+    modules = {m.name: m.scale for m in read_lora_adapter(LoRARequest("a", _peft_folder(tmp_path / "a", config, shapes)))[1]}
+    assert modules == {"model.layers.0.self_attn.q_proj": 4 / 2, "model.layers.1.self_attn.q_proj": 16 / 4}
+    long_name = "a" * 40
+    t0 = time.monotonic()
+    with pytest.raises(RequestError, match="rank_pattern has a key that is not a module name"):
+        read_lora_adapter(LoRARequest("b", _peft_folder(tmp_path / "b", {"r": 4, "rank_pattern": {"(a+)+X": 2}}, _ab(long_name, 4))))
+    assert time.monotonic() - t0 < 5  # re.match would take far longer (2**40 paths): this is no timing target
+
+
+def test_an_adapters_file_content_is_never_in_its_errors(tmp_path: Any) -> None:
+    """A folder whose adapter_config.json is a symlink to another file: the error names the setting,
+    never what the file holds (a client that loads adapters at run time reads these errors)."""
+    import json
+
+    from lmdock.backend import read_lora_adapter
+
+    secret = tmp_path / "secret.json"
+    for content in ({"peft_type": "SECRET-TOKEN-1"}, {"r": "SECRET-TOKEN-1"}, {"r": 4, "use_dora": "SECRET-TOKEN-1"},
+                    ["SECRET-TOKEN-1"], "SECRET-TOKEN-1 not json"):
+        secret.write_text(content if isinstance(content, str) else json.dumps(content))
+        folder = _peft_folder(tmp_path / f"f{len(list(tmp_path.iterdir()))}", {"r": 4}, _ab("q_proj", 4))
+        (folder / "adapter_config.json").unlink()
+        (folder / "adapter_config.json").symlink_to(secret)
+        with pytest.raises(RequestError) as err:
+            read_lora_adapter(LoRARequest("x", folder))
+        assert "SECRET" not in str(err.value) and "adapter_config.json" in str(err.value)

@@ -61,6 +61,7 @@ def _replica_pids(root: int) -> list[int]:
 
 
 def test_the_exact_greedy_text_through_a_replica(replicas: Server) -> None:
+    """A server started with ``--replicas 2`` answers with the exact greedy text."""
     assert _complete(replicas) == DOCUMENTED
     stream = _client(replicas).completions.create(model="stories", prompt="Once upon a time", max_tokens=40, temperature=0,
                                                   stream=True)

@@ -129,12 +129,12 @@ def test_a_port_out_of_range_is_refused_before_anything_binds(port: str, capsys:
 @pytest.mark.parametrize(
     ("route", "body", "param", "says"),
     [
-        ("/v1/completions", {"prompt": "ab", "n": 200, "max_tokens": 1}, "n", "n=200: this server returns at most 128"),
-        ("/v1/completions", {"prompt": "ab", "logprobs": 512, "max_tokens": 1}, "logprobs", "512 logprobs per token asked for"),
+        ("/v1/completions", {"prompt": "ab", "n": 200, "max_tokens": 1}, "n", "n=200: this server returns at most 128 completions per prompt ([server] max_n)"),
+        ("/v1/completions", {"prompt": "ab", "logprobs": 512, "max_tokens": 1}, "logprobs", "512 logprobs per token asked for: this server returns at most 20 (logprobs / top_logprobs; [server] max_logprobs)"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}], "logprobs": True, "top_logprobs": 21, "max_tokens": 1},
          "logprobs", "at most 20"),
-        ("/v1/completions", {"prompt": "ab", "stop": [f"s{i}" for i in range(65)], "max_tokens": 1}, "stop", "65 stop strings"),
-        ("/v1/completions", {"prompt": "ab", "stop": ["x" * 1025], "max_tokens": 1}, "stop", "1025 characters"),
+        ("/v1/completions", {"prompt": "ab", "stop": [f"s{i}" for i in range(65)], "max_tokens": 1}, "stop", "65 stop strings: this server takes at most 64 ([server] max_stop_strings)"),
+        ("/v1/completions", {"prompt": "ab", "stop": ["x" * 1025], "max_tokens": 1}, "stop", "1025 characters: this server takes at most 1024 ([server] max_stop_length)"),
         ("/v1/completions", {"prompt": ["ab"] * 50, "n": 2, "max_tokens": 1}, None, "adds 100 sequences"),
     ],
 )
@@ -519,6 +519,7 @@ def test_max_connections_past_the_open_files_limit_is_warned_of(capsys: pytest.C
 
 
 def test_more_headers_than_the_limit_is_a_431(limited: Any) -> None:
+    """``[server] max_headers`` (20 on ``limited``)."""
     headers = {f"x-h{i}": "v" for i in range(30)}
     r = httpx.get(f"{limited.url}/v1/models", headers=headers, timeout=10)
     assert r.status_code == 431 and "max_headers" in r.json()["error"]["message"]
@@ -632,6 +633,28 @@ def test_memory_returns_after_a_burst_of_large_n_and_logprobs(tmp_path: Path) ->
         assert s.stats()["num_sequences_held"] == 0
     finally:
         s.stop()
+
+
+def test_an_idle_keep_alive_connection_closes_after_keep_alive_timeout(limited: Any) -> None:
+    """``[server] keep_alive_timeout`` (1 s on ``limited``): a second request on the connection at once
+    is answered; idle past the timeout, the server has closed it."""
+    import socket
+    import time
+
+    def ask(sock: Any) -> bytes:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        data = b""
+        while b"\r\n\r\n" not in data or not data.endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+    with socket.create_connection(("127.0.0.1", limited.port), timeout=10) as sock:
+        assert ask(sock).startswith(b"HTTP/1.1 200") and ask(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(3)
+        assert sock.recv(65536) == b""  # closed by the server
 
 
 # -- keep last: the server that took the hostile traffic above still serves, and holds nothing -------

@@ -124,3 +124,47 @@ def test_load_and_unload_an_adapter_at_run_time(runtime_server: Server) -> None:
         c.completions.create(model="stories:rt", prompt=PROMPT, max_tokens=4)
     assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "rt"}).status_code == 404
     assert c.completions.create(model="stories", prompt=PROMPT, max_tokens=40, temperature=0).choices[0].text == DOCUMENTED
+
+
+def test_runtime_adapter_names_and_counts_are_bounded_and_lists_cut(runtime_server: Server) -> None:
+    """A name is at most 64 characters; a model takes at most MAX_ADAPTERS; every 404 lists at most 20
+    served names and says how many more (100 names of 900 KB made each 404, and /v1/models, 90.9 MB)."""
+    import httpx
+    from lmdock.server.serving_models import MAX_ADAPTERS
+
+    url, folder = runtime_server.url, str(runtime_server.config.parent / "rt")
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "n" * 65, "lora_path": folder})
+    assert r.status_code == 400 and "1 to 64" in r.json()["error"]["message"] and len(r.text) < 1000
+    names = [f"a{i:03d}" for i in range(MAX_ADAPTERS)]
+    for name in names:
+        assert httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": folder}).status_code == 200
+    try:
+        r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "one-more", "lora_path": folder})
+        assert r.status_code == 400 and f"serves {MAX_ADAPTERS} adapters" in r.json()["error"]["message"]
+        r = httpx.post(f"{url}/v1/completions", json={"model": "stories:nope", "prompt": PROMPT, "max_tokens": 1})
+        message = r.json()["error"]["message"]
+        assert r.status_code == 404 and f"and {MAX_ADAPTERS + 1 - 20} more" in message and message.count("stories:a") == 19
+        assert len(httpx.get(f"{url}/v1/models").json()["data"]) == MAX_ADAPTERS + 1
+    finally:
+        for name in names:
+            httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name})
+
+
+def test_a_runtime_adapter_is_checked_at_load_and_its_files_never_echoed(runtime_server: Server, tmp_path: Path) -> None:
+    """/v1/load_lora_adapter reads the folder's config and header (off the event loop): a bad one is
+    a 400 then, not at first use; a config symlinked to another file is refused without its content."""
+    import httpx
+
+    url = runtime_server.url
+    bad = _adapter(tmp_path / "bad", 3)
+    (bad / "adapter_config.json").unlink()
+    (tmp_path / "secret.json").write_text('{"peft_type": "SECRET-VALUE", "r": "SECRET-VALUE"}')
+    (bad / "adapter_config.json").symlink_to(tmp_path / "secret.json")
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(bad)})
+    assert r.status_code == 400 and "SECRET" not in r.text and "peft_type" in r.text, r.text
+    (tmp_path / "secret.json").write_text('{"r": 4, "rank_pattern": {"(a+)+X": 2}}')
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(bad)})
+    assert r.status_code == 400 and "rank_pattern" in r.text
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "x" * 5000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+    assert httpx.get(f"{url}/health").status_code == 200

@@ -51,6 +51,7 @@ def ref_tokens(server: Server, messages: list[dict[str, str]]) -> int:
 
 
 def test_text_is_the_chat_paths_text(served: Server) -> None:
+    """``POST /v1/messages`` through the anthropic client: the chat path's text."""
     m = client(served).messages.create(model="stories", max_tokens=20, messages=ASK)  # type: ignore[arg-type]
     ref = chat(served, ASK, 20)
     assert m.id.startswith("msg_") and m.type == "message" and m.role == "assistant" and m.model == "stories"

@@ -29,6 +29,7 @@ def _scrape(server: Server) -> dict[str, list]:
 
 
 def test_the_gateways_gauges_under_vllm_names(vllm_names: Server) -> None:
+    """On a server with ``[server] metric_names = "vllm"``, /metrics has the gauges the picker reads under vLLM's names."""
     client = openai.OpenAI(base_url=f"{vllm_names.url}/v1", api_key="none")
     stream = client.completions.create(model="stories", prompt="Once upon a time", max_tokens=40, temperature=0, stream=True)
     next(iter(stream))  # a request in flight while the picker scrapes

@@ -29,6 +29,7 @@ def test_models_retrieve_one_by_name_or_404(server: Server) -> None:
 
 
 def test_greedy_completion_is_the_documented_continuation(server: Server) -> None:
+    """``POST /v1/completions`` through the openai client: the greedy text of ../shared/models/README.md."""
     r = client(server).completions.create(model="stories", prompt="Once upon a time", max_tokens=40, temperature=0)
     assert r.choices[0].text == DOCUMENTED
     assert r.choices[0].finish_reason == "length"
@@ -87,6 +88,7 @@ def test_echo_with_logprobs_gives_the_prompt_logprobs(server: Server) -> None:
 
 
 def test_chat_through_an_explicit_template(server: Server) -> None:
+    """``POST /v1/chat/completions`` through the openai client, over the served template."""
     # the served template is "{{ bos_token }}" + the messages' contents
     toks = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "Once upon a time"}]}).json()
     assert toks["tokens"][0] == 1
@@ -161,6 +163,8 @@ def test_bad_json_and_bad_fields_are_400(server: Server) -> None:
 
 
 def test_missing_or_wrong_key_is_401_and_health_needs_none(strict: Server) -> None:
+    """The key is the first line of ``[server] api_key_file`` (the ``strict`` server's, with
+    ``$LMDOCK_API_KEY`` unset)."""
     assert httpx.get(f"{strict.url}/health").status_code == 200
     with pytest.raises(openai.AuthenticationError) as exc:
         client(strict).models.list()
@@ -183,6 +187,7 @@ def test_oversized_body_is_413(strict: Server) -> None:
 
 
 def test_full_queue_is_429_with_retry_after_and_the_client_retry_honours_it(strict: Server) -> None:
+    """The 429's ``Retry-After`` is ``[server] retry_after`` (1 s by default)."""
     import threading
 
     headers = {"authorization": "Bearer sekret-key"}

@@ -35,6 +35,7 @@ def _cos(a: list[float], b: list[float]) -> float:
 
 
 def test_embeddings_through_the_openai_client(pooling_server: Server) -> None:
+    """``POST /v1/embeddings`` through the openai client."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{pooling_server.url}/v1", api_key="unused")

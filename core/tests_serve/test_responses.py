@@ -38,6 +38,7 @@ def client(server: Server) -> openai.OpenAI:
 
 
 def test_text_is_the_chat_paths_text(served: Server) -> None:
+    """``POST /v1/responses`` through the openai client: the chat path's text."""
     c = client(served)
     r = c.responses.create(model="stories", input="Once upon a time", max_output_tokens=20, temperature=0)
     chat = c.chat.completions.create(model="stories", messages=[{"role": "user", "content": "Once upon a time"}], max_tokens=20,
@@ -324,16 +325,36 @@ def test_a_client_gone_mid_stream_aborts_the_request(served: Server) -> None:
 
 
 def test_the_store_is_bounded_least_recently_used_first_out() -> None:
-    from lmdock.server._response_store import MAX_STORED, ResponseStore, Stored
+    from lmdock._params import ServerConfig
+    from lmdock.server._response_store import MAX_STORED, MAX_STORED_BYTES, ResponseStore, Stored
 
-    assert MAX_STORED == 1024  # as docs/server.md says
+    # as docs/server.md says
+    assert MAX_STORED == ServerConfig().response_store_max_items == 1024
+    assert MAX_STORED_BYTES == ServerConfig().response_store_max_bytes == 128 * 2**20
     store = ResponseStore(limit=2)
     for name in ("a", "b"):
-        store.put(name, Stored({"id": name}, ()))
+        store.put(name, Stored.of({"id": name}, (), []))
     assert store.get("a") is not None  # "a" used: "b" is now the least recently used
-    store.put("c", Stored({"id": "c"}, ()))
+    store.put("c", Stored.of({"id": "c"}, (), []))
     assert [k for k in ("a", "b", "c") if store.get(k) is not None] == ["a", "c"]
     assert store.delete("a") and not store.delete("a")
+
+
+def test_the_store_is_bounded_in_bytes_and_keeps_json_not_objects() -> None:
+    from lmdock.server._response_store import ResponseStore, Stored
+
+    big = [{"role": "user", "content": "x" * 300}]
+    first = Stored.of({"id": "a"}, (), big)
+    # a turn continuing "a" shares its messages' bytes objects (no copy), and counts them
+    second = Stored.of({"id": "b"}, first.messages, [{"role": "assistant", "content": "y" * 300}])
+    assert second.messages[0] is first.messages[0] and second.history()[0] == big[0]
+    bound = first.size + second.size
+    store = ResponseStore(limit=100, max_bytes=bound)
+    assert store.put("a", first) and store.put("b", second) and store.bytes == bound
+    store.put("c", Stored.of({"id": "c"}, (), big))  # past the bound: "a", the least recently used, goes
+    assert store.get("a") is None and store.get("b") is not None and store.get("c") is not None and store.bytes <= bound
+    assert not store.put("d", Stored.of({"id": "d"}, (), [{"content": "z" * 2000}]))  # larger than the bound alone
+    assert store.get("d") is None and store.bytes <= bound
 
 
 # What Codex (openai/codex, wire_api = "responses") sends: its instructions, developer and user

@@ -7,6 +7,14 @@ do about it.  The CLI prints ``str(error)`` for these and never a traceback.
 from __future__ import annotations
 
 
+def listed(names: object, most: int = 20, width: int = 80) -> str:
+    """``names`` for an error message: at most ``most`` of them, each cut at ``width`` characters,
+    then how many more (a list a client can grow, such as runtime adapters, must not grow every error)."""
+    items = [str(n) if len(str(n)) <= width else str(n)[:width] + "..." for n in names]  # type: ignore[attr-defined]
+    shown = ", ".join(items[:most]) or "none"
+    return f"{shown} and {len(items) - most} more" if len(items) > most else shown
+
+
 class LmdockError(Exception):
     """Base class of every error lmdock raises on purpose."""
 

@@ -23,10 +23,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmdock._errors import RequestError
+from lmdock._errors import RequestError, listed
 
-#: A name an adapter may be served under (``MODEL:ADAPTER``): letters, digits, '.', '_' and '-'.
-ADAPTER_NAME = re.compile(r"[A-Za-z0-9._-]+")
+#: A name an adapter may be served under (``MODEL:ADAPTER``): letters, digits, '.', '_' and '-', at
+#: most 64 of them (every 404 and ``/v1/models`` lists the names: their size is the server's to bound).
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+#: The largest rank an adapter may have when ``build.max_lora_rank`` is not set.  vLLM's default is 16;
+#: lmdock takes 64, which covers the ranks published adapters use (8 to 64), and refuses the
+#: rank-200,000 adapter that would cost a module's memory many times over.
+DEFAULT_MAX_LORA_RANK = 64
 
 
 @dataclass(frozen=True, init=False)
@@ -115,8 +121,8 @@ def _as_lora(item: Any, declared: Mapping[str, str]) -> LoRARequest | None:
         return item
     if isinstance(item, str):
         if item not in declared:
-            known = ", ".join(sorted(declared)) or "none"
-            raise RequestError(f"lora_request {item!r}: the model declares no such adapter (declared: {known}); add it under "
+            known = listed(sorted(declared))
+            raise RequestError(f"lora_request {listed([item], width=200)!r}: the model declares no such adapter (declared: {known}); add it under "
                                "[models.NAME.adapters] or pass LoRARequest(name, path)")
         return LoRARequest(item, declared[item])
     if hasattr(item, "lora_name") and hasattr(item, "lora_path"):
@@ -151,8 +157,10 @@ class LoRAModule:
         if self.a_shape != (rank, in_features) or self.b_shape != (out_features, rank):
             raise RequestError(f"lora_request {lora.name!r}: {self.name!r} has lora_A {self.a_shape} and lora_B {self.b_shape}, "
                                f"which do not fit the model's layer ({out_features} x {in_features}): an adapter for another model?")
-        if max_rank is not None and rank > max_rank:
-            raise RequestError(f"lora_request {lora.name!r}: rank {rank} exceeds build.max_lora_rank = {max_rank}")
+        limit = DEFAULT_MAX_LORA_RANK if max_rank is None else max_rank
+        if rank > limit:
+            raise RequestError(f"lora_request {lora.name!r}: rank {rank} exceeds build.max_lora_rank = {limit}"
+                               f"{' (the default)' if max_rank is None else ''}; raise it in the model's build table to run this adapter")
 
 
 def read_lora_adapter(lora: LoRARequest) -> tuple[str, list[LoRAModule]]:
@@ -167,33 +175,31 @@ def read_lora_adapter(lora: LoRARequest) -> tuple[str, list[LoRAModule]]:
         if not f.is_file():
             raise RequestError(f"lora_request {lora.name!r}: {f} does not exist; an adapter is a PEFT folder "
                                "(adapter_config.json + adapter_model.safetensors)")
-    try:
-        config = json.loads(config_file.read_text())
-        header = _safetensors_header(weights_file)
-    except (OSError, ValueError) as exc:
-        raise RequestError(f"lora_request {lora.name!r}: cannot read the adapter: {exc}") from exc
+    config, header = _read_files(lora, config_file, weights_file)
+    # What the files hold is never echoed to a client: a folder may be a symlink to any file the
+    # server can read, so errors name the setting, not its value.
     if config.get("peft_type", "LORA") != "LORA":
-        raise RequestError(f"lora_request {lora.name!r}: peft_type {config.get('peft_type')!r} is not a LoRA adapter")
+        raise RequestError(f"lora_request {lora.name!r}: adapter_config.json's peft_type is not LORA: not a LoRA adapter")
     for key, harmless in _UNSUPPORTED.items():
         if config.get(key, harmless) not in (harmless, [], {}):
-            raise RequestError(f"lora_request {lora.name!r}: adapter_config.json sets {key}={config[key]!r}, which lmdock "
-                               "does not implement; use a plain LoRA adapter")
+            raise RequestError(f"lora_request {lora.name!r}: adapter_config.json sets {key} (other than {harmless!r}), which "
+                               "lmdock does not implement; use a plain LoRA adapter")
+    r, alpha = _number(config, "r", lora, integer=True), _number(config, "lora_alpha", lora, default=config.get("r"))
     pairs: dict[str, dict[str, str]] = {}
     for key in header:
         m = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key)
         if m is None:
-            raise RequestError(f"lora_request {lora.name!r}: tensor {key!r} is not a lora_A / lora_B weight; lmdock "
+            raise RequestError(f"lora_request {lora.name!r}: tensor {_clip(key)!r} is not a lora_A / lora_B weight; lmdock "
                                "runs LoRA on linear layers only")
         pairs.setdefault(m.group(1), {})[m.group(2)] = key
     if not pairs:
         raise RequestError(f"lora_request {lora.name!r}: {weights_file} holds no lora_A / lora_B weights")
-    r, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
     modules = []
     for name, ab in pairs.items():
         if set(ab) != {"A", "B"}:
             raise RequestError(f"lora_request {lora.name!r}: module {name!r} lacks lora_{'A' if 'A' not in ab else 'B'}")
-        r_m = int(_pattern(config.get("rank_pattern"), name, r))
-        alpha_m = float(_pattern(config.get("alpha_pattern"), name, alpha))
+        r_m = int(_pattern(config, "rank_pattern", name, r, lora))
+        alpha_m = float(_pattern(config, "alpha_pattern", name, alpha, lora))
         scale = alpha_m / math.sqrt(r_m) if config.get("use_rslora") else alpha_m / r_m
         modules.append(LoRAModule(name, ab["A"], ab["B"], tuple(header[ab["A"]]["shape"]), tuple(header[ab["B"]]["shape"]), scale))
     return str(weights_file), modules
@@ -214,9 +220,59 @@ def _safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
-def _pattern(patterns: dict[str, Any] | None, name: str, default: Any) -> Any:
-    """PEFT's ``rank_pattern`` / ``alpha_pattern``: the first key that matches the module name's end."""
-    for key, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({key})$", name):
-            return value
+def _read_files(lora: LoRARequest, config_file: Path, weights_file: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """adapter_config.json (an object) and the safetensors header; a RequestError naming the file, not its content."""
+    try:
+        if config_file.stat().st_size > _MAX_CONFIG_BYTES:
+            raise ValueError(f"{config_file.name} is over {_MAX_CONFIG_BYTES} bytes")
+        config = json.loads(config_file.read_bytes())
+        header = _safetensors_header(weights_file)
+    except (OSError, ValueError) as exc:  # a decoding error quotes positions, not the text; OSError its path
+        what = exc if isinstance(exc, OSError) else type(exc).__name__
+        raise RequestError(f"lora_request {lora.name!r}: cannot read the adapter ({what}): adapter_config.json must be "
+                           "a JSON object and adapter_model.safetensors a safetensors file") from None
+    if not isinstance(config, dict) or not isinstance(header, dict):
+        raise RequestError(f"lora_request {lora.name!r}: adapter_config.json must be a JSON object (PEFT's LoraConfig)")
+    return config, header
+
+
+#: adapter_config.json is a few hundred bytes; a larger file is not one.
+_MAX_CONFIG_BYTES = 1_048_576
+
+
+def _number(config: dict[str, Any], key: str, lora: LoRARequest, *, integer: bool = False, default: Any = None) -> float:
+    """A positive number from adapter_config.json (``r`` an integer), or a RequestError naming the key."""
+    value = config.get(key, default)
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if not ok or isinstance(value, bool) or not 0 < value < float("inf"):
+        raise RequestError(f"lora_request {lora.name!r}: adapter_config.json's {key} must be a positive "
+                           f"{'integer' if integer else 'number'}")
+    return value  # type: ignore[no-any-return]
+
+
+def _clip(text: str, most: int = 100) -> str:
+    return text if len(text) <= most else text[:most] + "..."
+
+
+#: What a ``rank_pattern`` / ``alpha_pattern`` key may hold: a module name or the dotted end of one,
+#: optionally anchored with ``^`` at the name's start; ``\.`` is taken as a dot.
+_PATTERN_KEY = re.compile(r"\^?(?:[A-Za-z0-9_]|\\?\.)+")
+
+
+def _pattern(config: dict[str, Any], field: str, name: str, default: Any, lora: LoRARequest) -> Any:
+    """PEFT's ``rank_pattern`` / ``alpha_pattern``: the first key that matches the module name's end
+    (PEFT matches the regex ``(.*[.])?(KEY)$``, so ``^KEY`` is the whole name).  Keys are matched as names, never run
+    as regular expressions: an adapter's key such as ``(a+)+X`` would backtrack for minutes.  A key
+    that is not a name (a regex) is refused naming the field; its value must be a positive number."""
+    patterns = config.get(field) or {}
+    if not isinstance(patterns, dict):
+        raise RequestError(f"lora_request {lora.name!r}: adapter_config.json's {field} must be an object")
+    for key, value in patterns.items():
+        if not _PATTERN_KEY.fullmatch(key):
+            raise RequestError(f"lora_request {lora.name!r}: adapter_config.json's {field} has a key that is not a module "
+                               "name (lmdock matches module names and their dotted ends, not regular expressions): "
+                               "write the module names")
+        literal = key.replace("\\.", ".")
+        if literal.startswith("^") and name == literal[1:] or name == literal or name.endswith("." + literal):
+            return _number({field: value}, field, lora, integer=field == "rank_pattern")
     return default

@@ -594,6 +594,10 @@ class ServerConfig(_Replaceable):
     #: ``/v1/load_lora_adapter`` (a client names a folder on this machine) is refused unless this is on
     #: (vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``)
     allow_runtime_lora_updating: bool = False
+    #: the Responses API's store of recent responses (``previous_response_id``), bounded in bytes of
+    #: compact JSON and in count; the least recently used response goes first (``server/_response_store.py``)
+    response_store_max_bytes: int = 134_217_728
+    response_store_max_items: int = 1024
     template_timeout: float = 5.0
     max_prompt_chars: int = 4_194_304
     memory_budget_gib: float | None = None
@@ -624,6 +628,8 @@ class ServerConfig(_Replaceable):
             _int(name, getattr(self, name), 1, optional=False)
         _int("max_logprobs", self.max_logprobs, 0, optional=False)
         _int("max_prompt_chars", self.max_prompt_chars, 1, optional=False)
+        _int("response_store_max_bytes", self.response_store_max_bytes, 0, optional=False)
+        _int("response_store_max_items", self.response_store_max_items, 0, optional=False)
         for name in ("max_header_bytes", "max_headers", "max_connections"):
             _int(name, getattr(self, name), 1, optional=False)
         for name in ("header_timeout", "keep_alive_timeout"):
@@ -685,7 +691,8 @@ class ModelConfig:
         check(bool(self.model), "model", "must be a local path or a hub id")
         for adapter in self.adapters:
             check(bool(ADAPTER_NAME.fullmatch(adapter)), "adapters",
-                  f"an adapter name is letters, digits, '.', '_' and '-' (a server serves it as MODEL:ADAPTER), got {adapter!r}")
+                  f"an adapter name is 1 to 64 letters, digits, '.', '_' and '-' (a server serves it as MODEL:ADAPTER), "
+                  f"got {adapter!r}")
         check(self.keep_alive == -1 or self.keep_alive >= 0, "keep_alive",
               f"must be seconds >= 0, or -1 (never unload), got {self.keep_alive!r}")
         object.__setattr__(self, "autoscaling", replica_tables(self.replicas, self.autoscaling, self.ray_actor_options))

@@ -55,7 +55,7 @@ from lmdock._engine.sampler import LogitsProcessor, Sample, Sampler
 from lmdock._engine.sampling import sample_contained
 from lmdock._engine.scheduler import Scheduler
 from lmdock._engine.sequence import QuerySeq, Req, Seq, live
-from lmdock._engine.validate import check_ids, check_request, compile_constraints, prepare_lora
+from lmdock._engine.validate import check_ids, check_request, compile_constraints, load_lora, prepare_lora
 from lmdock._errors import BackendError, EngineClosedError, RequestError
 
 log = logging.getLogger("lmdock.engine")
@@ -133,6 +133,12 @@ class StepRunner:
         constraints = compile_constraints(request, self._constraints_for)
         prepare_lora(self.engine, request)
         self._inbox.post(Add(request, sink, processors, constraints, bad_words))
+
+    def prepare_lora(self, lora: Any) -> None:
+        """Load (or check) an adapter ahead of :meth:`submit`, in the caller's thread: a server calls it
+        from a worker thread, so the first use of an adapter (disk reads) never blocks its event loop;
+        ``submit`` then finds it loaded.  Raises RequestError as ``submit`` would."""
+        load_lora(self.engine, lora)
 
     def abort(self, request_id: str) -> None:
         self._inbox.post_abort(Abort(request_id))  # dropped while shutting down: that fails it anyway

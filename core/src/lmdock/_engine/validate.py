@@ -9,6 +9,7 @@ structured output compiled here, so a bad schema fails here too; and a LoRA adap
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,6 +18,8 @@ from lmdock._engine.beam import UNSUPPORTED_WITH_BEAMS
 from lmdock._engine.biases import check_token_fields
 from lmdock._engine.sampler import LogitsProcessor
 from lmdock._errors import LmdockError, RequestError
+
+log = logging.getLogger("lmdock.engine")
 
 
 def check_ids(ids: Sequence[int], vocab: int, max_seq_len: int) -> None:
@@ -29,9 +32,12 @@ def check_ids(ids: Sequence[int], vocab: int, max_seq_len: int) -> None:
 
 def prepare_lora(engine: Any, request: EngineRequest) -> None:
     """Have the step engine load (or check) the request's adapter; refuse the request if it cannot."""
-    lora = request.lora_request
-    if lora is None:
-        return
+    if request.lora_request is not None:
+        load_lora(engine, request.lora_request)
+
+
+def load_lora(engine: Any, lora: Any) -> None:
+    """Have the step engine load (or check) ``lora`` (any thread; the backend caches it)."""
     prepare = getattr(engine, "prepare_lora", None)
     if prepare is None:
         raise RequestError(f"lora_request {lora.name!r}: this step engine cannot run LoRA adapters (it has no prepare_lora)")
@@ -40,7 +46,10 @@ def prepare_lora(engine: Any, request: EngineRequest) -> None:
     except LmdockError:
         raise
     except Exception as exc:
-        raise RequestError(f"lora_request {lora.name!r}: the adapter at {lora.path!r} could not be loaded: {type(exc).__name__}: {exc}") from exc
+        # the exception's text may quote the adapter's files (any file a path can name): the log has it
+        log.warning("lora_request %r: loading %r failed", lora.name, lora.path, exc_info=exc)
+        raise RequestError(f"lora_request {lora.name!r}: the adapter at {lora.path!r} could not be loaded ({type(exc).__name__}; the "
+                           "server's log has the details)") from exc
 
 
 def check_request(

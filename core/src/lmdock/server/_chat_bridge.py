@@ -41,6 +41,20 @@ def string_field(item: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
+def kind_field(item: dict[str, Any], key: str, where: str) -> str | None:
+    """``item[key]`` where it names a kind (a block's ``type``, a message's ``role``): a string or
+    absent; any other JSON value is a 400 naming ``where.key`` (it would otherwise be looked up in a
+    table of kinds, where a list or an object is no key at all)."""
+    value = item.get(key)
+    if value is not None and not isinstance(value, str):
+        raise APIError(400, f"{where}.{key} must be a string, not {_json_kind(value)}", param=f"{where}.{key}")
+    return value
+
+
+def _json_kind(value: Any) -> str:
+    return {dict: "an object", list: "an array", bool: "a boolean", int: "a number", float: "a number"}.get(type(value), "a value")
+
+
 def chat_request(chat: dict[str, Any]) -> ChatRequest:
     """``chat`` as the chat route's body; what it refuses is a 400 naming the field."""
     try:

@@ -15,7 +15,7 @@ import json
 from typing import Any
 
 from lmdock.server._advisory import Ignored, hosted
-from lmdock.server._chat_bridge import refuse_keys, string_field
+from lmdock.server._chat_bridge import kind_field, refuse_keys, string_field
 from lmdock.server._errors import APIError
 
 _BLOCK_KEYS = {
@@ -54,7 +54,7 @@ def _blocks(content: Any, where: str) -> list[tuple[str, dict[str, Any]]]:
     out = []
     for j, block in enumerate(content):
         at = f"{where}.{j}"
-        kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+        kind = kind_field(block, "type", at) if isinstance(block, dict) else type(block).__name__
         if kind not in _BLOCK_KEYS:
             raise APIError(400, f"{at} is a {kind!r} block; lmdock serves text models: send text, thinking, tool_use "
                                 "and tool_result blocks", param=f"{at}.type")
@@ -143,7 +143,7 @@ def chat_tools(tools: list[dict[str, Any]], ignored: Ignored) -> list[dict[str, 
 def chat_tool_choice(choice: dict[str, Any]) -> tuple[str | dict[str, Any], bool | None]:
     """``tool_choice`` as chat's ``tool_choice`` and ``parallel_tool_calls``: ``auto``, ``any``
     (required), ``tool`` (that one), ``none``; ``disable_parallel_tool_use`` as ``parallel_tool_calls: false``."""
-    kind = choice.get("type")
+    kind = kind_field(choice, "type", "tool_choice")
     known = {"auto": {"type", "disable_parallel_tool_use"}, "any": {"type", "disable_parallel_tool_use"},
              "tool": {"type", "name", "disable_parallel_tool_use"}, "none": {"type"}}
     if kind not in known:

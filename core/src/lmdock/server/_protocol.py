@@ -213,6 +213,7 @@ class ChatRequest(_Sampling):
     def _text_parts_only(self) -> ChatRequest:
         """Content parts other than text (``image_url``, ``input_audio``...) are refused: the served
         models read text, and a part they would never see must not pass as if it had been."""
+        check_roles(self.messages)
         found = non_text_part(self.messages)
         if found is not None:
             where, kind = found
@@ -242,6 +243,15 @@ class ChatRequest(_Sampling):
         return out
 
 
+def check_roles(messages: list[dict[str, Any]]) -> None:
+    """Each chat message's ``role`` is a string: a template would render any other value as if it
+    were one (a role ``{"x": 1}`` ran as a message of no role)."""
+    for i, message in enumerate(messages):
+        if not isinstance(message.get("role"), str):
+            raise APIError(400, f"messages.{i}.role must be a string (system, user, assistant, tool...), not "
+                                f"{type(message.get('role')).__name__}", param=f"messages.{i}.role")
+
+
 class LoadLoRAAdapterRequest(StrictBody):
     """vLLM's ``/v1/load_lora_adapter``; ``model``: the base model (lmdock serves several; default: the first)."""
 
@@ -263,6 +273,11 @@ class TokenizeRequest(StrictBody):
     tools: list[dict[str, Any]] | None = None  # rendered with the messages, as chat renders them
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _roles(self) -> TokenizeRequest:
+        check_roles(self.messages or [])
+        return self
 
 
 class DetokenizeRequest(StrictBody):

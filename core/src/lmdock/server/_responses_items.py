@@ -17,7 +17,7 @@ import json
 from typing import Any
 
 from lmdock.server._advisory import Ignored, hosted
-from lmdock.server._chat_bridge import refuse_keys, string_field
+from lmdock.server._chat_bridge import kind_field, refuse_keys, string_field
 from lmdock.server._errors import APIError
 from lmdock.server._responses_output import read_reasoning_token
 
@@ -51,7 +51,7 @@ def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
         where = f"input.{i}"
         if not isinstance(item, dict):
             raise APIError(400, f"{where} is a {type(item).__name__}; an input item is an object", param=where)
-        kind = item.get("type") or "message"
+        kind = kind_field(item, "type", where) or "message"
         if kind == "message":
             message = _message(item, where)
             if message["role"] == "assistant" and out and out[-1].get("reasoning_content") is not None and not out[-1]["content"]:
@@ -74,7 +74,7 @@ def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     refuse_keys(item, _MESSAGE_KEYS, where)
-    role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+    role = _ROLES.get(kind_field(item, "role", where) or "")
     if role is None:
         raise APIError(400, f"{where}.role is {item.get('role')!r}; one of {', '.join(_ROLES)}", param=f"{where}.role")
     return {"role": role, "content": _text(item.get("content"), f"{where}.content")}
@@ -122,7 +122,7 @@ def _text(content: Any, where: str) -> str:
         raise APIError(400, f"{where} must be a string or a list of text parts", param=where)
     texts = []
     for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        kind = kind_field(part, "type", f"{where}.{j}") if isinstance(part, dict) else type(part).__name__
         if kind not in _TEXT_PARTS:
             raise APIError(400, f"{where}.{j} is a {kind!r} part; lmdock serves text models, which would not see it: "
                                 "send input_text parts only", param=f"{where}.{j}.type")
@@ -138,10 +138,11 @@ def chat_tools(tools: list[dict[str, Any]], ignored: Ignored) -> list[dict[str, 
     out = []
     for i, tool in enumerate(tools):
         where = f"tools.{i}"
-        why = hosted("responses", tool.get("type"))
+        kind = kind_field(tool, "type", where)
+        why = hosted("responses", kind)
         if why is not None:
-            ignored.add(f"tools[{i}] ({tool['type']}: {why})")
-        elif tool.get("type") == "namespace":
+            ignored.add(f"tools[{i}] ({kind}: {why})")
+        elif kind == "namespace":
             out += _namespace(tool, where)
         else:
             out.append(_tool(tool, where))
@@ -149,9 +150,10 @@ def chat_tools(tools: list[dict[str, Any]], ignored: Ignored) -> list[dict[str, 
 
 
 def _tool(tool: dict[str, Any], where: str, namespace: str | None = None) -> dict[str, Any]:
-    if tool.get("type") == "custom":
+    kind = kind_field(tool, "type", where)
+    if kind == "custom":
         made = _custom_tool(tool, where)
-    elif tool.get("type") == "function":
+    elif kind == "function":
         refuse_keys(tool, _TOOL_KEYS, where)
         made = {"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters", "strict")
                                                  if tool.get(k) is not None}}
@@ -202,16 +204,21 @@ def namespaced(tools: list[dict[str, Any]] | None) -> dict[str, tuple[str, str]]
 def custom_names(tools: list[dict[str, Any]] | None) -> frozenset[str]:
     """The names of the custom tools among ``tools`` (their calls are ``custom_tool_call`` items),
     namespaced ones by their flat names."""
-    names = {t.get("name") for t in tools or () if isinstance(t, dict) and t.get("type") == "custom"}
+    names = {t.get("name") for t in tools or () if isinstance(t, dict) and t.get("type") == "custom" and isinstance(t.get("name"), str)}
     for tool in tools or ():
-        if isinstance(tool, dict) and tool.get("type") == "namespace" and isinstance(tool.get("tools"), list):
-            names |= {flat_name(tool["name"], t["name"]) for t in tool["tools"] if isinstance(t, dict) and t.get("type") == "custom"}
+        if isinstance(tool, dict) and tool.get("type") == "namespace" and isinstance(tool.get("tools"), list) \
+                and isinstance(tool.get("name"), str):
+            names |= {flat_name(tool["name"], t["name"]) for t in tool["tools"]
+                      if isinstance(t, dict) and t.get("type") == "custom" and isinstance(t.get("name"), str)}
     return frozenset(names)  # type: ignore[arg-type]
 
 
 def _custom_tool(tool: dict[str, Any], where: str) -> dict[str, Any]:
     refuse_keys(tool, _CUSTOM_TOOL_KEYS, where)
     fmt = tool.get("format") or {"type": "text"}
+    if not isinstance(fmt, dict):
+        raise APIError(400, f"{where}.format must be an object, {{type: text}} or {{type: grammar, syntax, definition}}",
+                       param=f"{where}.format")
     if fmt.get("type") == "grammar":
         refuse_keys(fmt, frozenset({"type", "syntax", "definition"}), f"{where}.format")
         if fmt.get("syntax") not in ("lark", "regex") or not isinstance(fmt.get("definition"), str):

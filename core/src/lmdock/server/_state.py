@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import Request
 
-from lmdock._errors import ConfigError
+from lmdock._errors import ConfigError, listed
 from lmdock._lora import LoRARequest
 from lmdock._params import OPENAI_FIELDS, ServerConfig
 from lmdock.server._errors import APIError, as_api_error
@@ -73,7 +73,7 @@ class ServerState:
             sm = self.models.get(base)
             if sm is None or adapter not in sm.adapters:
                 served = [*self.models, *(f"{n}:{a}" for n, m in self.models.items() for a in m.adapters)]
-                raise APIError(404, f"model {name!r} is not served here; served models: {', '.join(served)}",
+                raise APIError(404, f"model {listed([name], width=200)!r} is not served here; served models: {listed(served)}",
                                param="model", code="model_not_found")
         return sm
 

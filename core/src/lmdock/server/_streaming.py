@@ -74,6 +74,9 @@ async def engine_stream(st: ServerState, sm: ServedModel, prompt: str | list[int
                                     f"tokens and the model's context is {llm.max_model_len}; ask for at most {max(room, 0)}",
                                param=max_tokens_field)
             request = dataclasses.replace(request, params=request.params.replace(max_new_tokens=room))
+    prepare = getattr(llm.engine, "prepare_lora", None)
+    if lora_request is not None and prepare is not None:  # reads the adapter from disk on first use: not on the loop
+        await asyncio.to_thread(prepare, lora_request)
     sink = AsyncQueueSink(asyncio.get_running_loop())
     timer = RequestTimer(st.metrics, sm.name)
     await submit(llm.engine, request, sink)

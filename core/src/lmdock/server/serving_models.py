@@ -5,18 +5,26 @@ state (loaded / loading / unloaded), the memory its last load measured and its l
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
-from lmdock._lora import ADAPTER_NAME
+from lmdock._errors import LmdockError, listed
+from lmdock._lora import ADAPTER_NAME, LoRARequest, read_lora_adapter
 from lmdock.server._errors import APIError
 from lmdock.server._protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from lmdock.server._state import ServedModel, ServerState, state_of
 
 router = APIRouter()
+
+#: Adapters one model serves at most (declared and loaded at run time): each is a card in
+#: ``/v1/models`` and a name a 404 may list, so their number is the server's to bound.
+MAX_ADAPTERS = 128
+#: The longest ``lora_path`` taken (Linux's PATH_MAX).
+MAX_PATH = 4096
 
 
 def _card(sm: ServedModel) -> dict[str, Any]:
@@ -69,14 +77,37 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> P
     403 unless ``[server] allow_runtime_lora_updating``; 400 for a name in use or a folder that is not one."""
     st = state_of(request)
     sm = _updatable(st, body.model)
+    if not ADAPTER_NAME.fullmatch(body.lora_name):
+        raise APIError(400, f"lora_name {listed([body.lora_name])!r}: an adapter name is 1 to 64 letters, digits, '.', '_' "
+                            "and '-'", param="lora_name")
     if body.lora_name in sm.adapters:
         raise APIError(400, f"The lora adapter {body.lora_name!r} has already been loaded on {sm.name!r}", param="lora_name")
-    if not ADAPTER_NAME.fullmatch(body.lora_name):
-        raise APIError(400, f"lora_name {body.lora_name!r}: an adapter name is letters, digits, '.', '_' and '-'", param="lora_name")
-    if not (Path(body.lora_path) / "adapter_config.json").is_file():
-        raise APIError(400, f"lora_path {body.lora_path!r} has no adapter_config.json: an adapter is a PEFT folder", param="lora_path")
-    sm.adapters[body.lora_name] = str(Path(body.lora_path).resolve())
+    if len(sm.adapters) >= MAX_ADAPTERS:
+        raise APIError(400, f"model {sm.name!r} serves {len(sm.adapters)} adapters, the most one model takes: unload one "
+                            "first (/v1/unload_lora_adapter)", param="lora_name")
+    path = await asyncio.to_thread(_checked_adapter, body.lora_name, body.lora_path)  # disk reads off the event loop
+    sm.adapters[body.lora_name] = path
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+def _checked_adapter(name: str, path: str) -> str:
+    """The adapter folder's resolved path, once its config and weights' header read as a PEFT LoRA
+    adapter (so a bad folder is a 400 here, not on first use); errors name the folder as sent,
+    never what its files hold."""
+    where = listed([path], width=200)
+    if len(path) > MAX_PATH or "\0" in path:
+        raise APIError(400, f"lora_path {where!r} is not a path (at most {MAX_PATH} characters, no NUL)", param="lora_path")
+    try:
+        if not (Path(path) / "adapter_config.json").is_file():
+            raise APIError(400, f"lora_path {where!r} has no adapter_config.json: an adapter is a PEFT folder", param="lora_path")
+        resolved = str(Path(path).resolve())
+    except OSError as exc:
+        raise APIError(400, f"lora_path {where!r} cannot be read ({exc.strerror})", param="lora_path") from None
+    try:
+        read_lora_adapter(LoRARequest(name, resolved))
+    except LmdockError as exc:
+        raise APIError(400, str(exc).replace(resolved, path), param="lora_path") from None
+    return resolved
 
 
 @router.post("/v1/unload_lora_adapter")

@@ -32,6 +32,7 @@ from lmdock.server._responses_items import (
     namespaced,
 )
 from lmdock.server._responses_output import EventSequence, Outputs, assistant, new_id
+from lmdock.server._state import state_of
 
 router = APIRouter()
 
@@ -133,14 +134,16 @@ class ResponsesRequest(StrictBody):
 @router.post("/v1/responses")
 async def create(body: ResponsesRequest, request: Request) -> Response:
     store = _store(request)
-    history = (*_previous(store, body.previous_response_id), *input_messages(body.input))
+    previous = _previous(store, body.previous_response_id)
+    new = input_messages(body.input)
+    history = (*(previous.history() if previous else ()), *new)
     if not history:
         raise APIError(400, "input is empty: give a string or at least one item", param="input")
     ignored = Ignored()
     chat = body.chat(history, ignored)
     run = await start_chat(chat, request, NAMES, body.stream, body.thinking_knob(ignored))
     ignored.loosened(run.plan, chat.get("response_format"), "text.format")
-    turn = _Turn(body, run.model, history, store)
+    turn = _Turn(body, run.model, previous.messages if previous else (), new, store)
     if body.stream:
         seq = EventSequence(body.outputs())
         return ignored.apply(typed_sse(request, run, turn.events(run.chunks(), seq), seq.error), "/v1/responses")
@@ -148,8 +151,8 @@ async def create(body: ResponsesRequest, request: Request) -> Response:
 
 
 @router.get("/v1/responses/{response_id}")
-async def retrieve(response_id: str, request: Request) -> dict[str, Any]:
-    return _stored(request, response_id).response
+async def retrieve(response_id: str, request: Request) -> Response:
+    return _raw(_stored(request, response_id).body)
 
 
 @router.delete("/v1/responses/{response_id}")
@@ -163,7 +166,8 @@ def _store(request: Request) -> ResponseStore:
     """The app's response store, made on first use."""
     store = getattr(request.app.state, "responses", None)
     if store is None:
-        store = request.app.state.responses = ResponseStore()
+        settings = state_of(request).settings
+        store = request.app.state.responses = ResponseStore(settings.response_store_max_items, settings.response_store_max_bytes)
     return store  # type: ignore[no-any-return]
 
 
@@ -175,15 +179,20 @@ def _stored(request: Request, response_id: str) -> Stored:
     return found
 
 
-def _previous(store: ResponseStore, response_id: str | None) -> tuple[dict[str, Any], ...]:
+def _raw(body: bytes) -> Response:
+    """A stored response as it was sent (its JSON bytes, not parsed again)."""
+    return Response(body, media_type="application/json")
+
+
+def _previous(store: ResponseStore, response_id: str | None) -> Stored | None:
     if response_id is None:
-        return ()
+        return None
     found = store.get(response_id)
     if found is None:
         raise APIError(400, f"previous response {response_id!r} is not stored here (sent with store: false, or one of "
                             "the server's oldest, past the store's bound, or before a restart): send the conversation "
                             "in input instead", param="previous_response_id")
-    return found.history
+    return found
 
 
 def _usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -198,8 +207,10 @@ def _usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
 class _Turn:
     """One response: its id, its object (whole or as events), and its place in the store."""
 
-    def __init__(self, body: ResponsesRequest, model: str, history: tuple[dict[str, Any], ...], store: ResponseStore) -> None:
-        self.body, self.model, self.history, self.store = body, model, history, store
+    def __init__(self, body: ResponsesRequest, model: str, previous: tuple[bytes, ...], new: list[dict[str, Any]],
+                 store: ResponseStore) -> None:
+        """``previous``: the stored conversation this one continues (shared, not copied); ``new``: this input's messages."""
+        self.body, self.model, self.previous, self.new, self.store = body, model, previous, new, store
         self.id = new_id("resp")
         self.created = int(time.time())
 
@@ -222,7 +233,7 @@ class _Turn:
         unless the request said ``store: false``."""
         final = self.response(status, output, usage)
         if self.body.store:
-            self.store.put(self.id, Stored(final, (*self.history, assistant(message))))
+            self.store.put(self.id, Stored.of(final, self.previous, [*self.new, assistant(message)]))
         return final
 
     def whole(self, completion: dict[str, Any]) -> dict[str, Any]:

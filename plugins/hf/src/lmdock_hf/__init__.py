@@ -61,6 +61,12 @@ SPEC = BackendSpec(
 
 def _build(model_config: ModelConfig) -> dict[str, Any] | None:
     b = model_config.build
+    kv = model_config.kv_cache.dtype
+    if kv not in ("auto", b.dtype):  # the cache holds what the model computes: it was silently kept in build.dtype
+        raise lmdock.UnsupportedError(
+            f"kv_cache.dtype {kv!r}: lmdock-hf keeps the KV cache in the model's dtype (build.dtype = {b.dtype!r}); "
+            "leave kv_cache.dtype at auto, set build.dtype, or use [offload] compress_cache = true for a 4-bit cache"
+        )
     return {
         "dtype": b.dtype,
         "device": b.device,

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from lmdock import BackendError, LoRARequest, ModelConfig
+from lmdock import BackendError, ConfigError, LoRARequest, ModelConfig
 from lmdock.backend import SeqChunk, StepOutput, read_model_json
 
 from lmdock_hf._cache import BatchView, SlotKVCache, cache_keyword
@@ -211,12 +211,26 @@ def _load_model(auto: Any, model: str, attn: str, kwargs: dict[str, Any]) -> Any
 
 def _device(name: str) -> torch.device:
     if name != "auto":
-        return torch.device(name)
+        return _named_device(name)
     if torch.cuda.is_available():
         return torch.device("cuda")
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
+
+
+def _named_device(name: str) -> torch.device:
+    """``build.device`` as torch's device, refused naming the key when torch has no such device here
+    (torch's own errors, a RuntimeError or an AssertionError from deep in the load, name neither)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"{name!r} is not a torch device: use auto, cpu, cuda, cuda:N or mps", key="build.device") from None
+    available = {"cuda": torch.cuda.is_available,
+                 "mps": lambda: getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()}
+    if device.type in available and not available[device.type]():
+        raise ConfigError(f"{name!r}: this torch has no {device.type} device here; use cpu (or auto)", key="build.device")
+    return device
 
 
 def _dtype(name: str, device: torch.device) -> Any:
