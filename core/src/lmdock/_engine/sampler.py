@@ -210,13 +210,15 @@ class ReferenceSampler:
                 x[j] = proc(row.token_ids, x[j])
             if row.num_output < row.params.min_new_tokens:
                 mask_min_tokens(x[j], row)
-        tokens = x.argmax(axis=-1)
+        tokens = [0] * len(rows)
         for j, row in enumerate(rows):  # row by row: each row's passes stay in the cache
-            if not row.params.greedy:
+            if row.params.greedy:
+                tokens[j] = int(x[j].argmax())
+            else:
                 y, e = scaled_weights(x[j], row.params)
                 ids, w = kept_tokens(y, e, row.params)
                 tokens[j] = draw(ids, w, row.rng)
-        return tokens.tolist()
+        return tokens
 
 
 def scaled_weights(x: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
@@ -247,7 +249,8 @@ def kept_tokens(y: np.ndarray, e: np.ndarray, params: SamplingParams) -> tuple[n
             ids, w = ids[keep], w[keep]
         return ids, w
     if params.top_p < 1.0:
-        value, ties = boundary(y, e, params.top_p * float(e.sum(dtype=np.float64)))
+        total = float(e.sum())  # float32 pairwise: ~1e-6 relative, and 2x faster than in float64
+        value, ties = boundary(y, e, params.top_p * total, total)
         ids = np.flatnonzero(kept_mask(y, value, ties))
         return ids, e[ids]
     ids = np.flatnonzero(e)

@@ -19,14 +19,16 @@ SMALL = 256
 MAX_ROUNDS = 24
 
 
-def boundary(values: np.ndarray, weights: np.ndarray | None, target: float) -> tuple[float, int]:
+def boundary(values: np.ndarray, weights: np.ndarray | None, target: float, total: float | None = None) -> tuple[float, int]:
     """Where the kept prefix of ``values`` ends: ``(v, c)``, keeping every token whose value is
     above ``v`` and the first ``c`` tokens equal to ``v`` (by index).  A token is kept while the
     weight before it (``weights``; None: 1 each) is below ``target``.  ``values`` may hold -inf
-    (weight 0, never needed); the caller makes sure some finite value exists."""
+    (weight 0, never needed); the caller makes sure some finite value exists.  ``total``: the
+    weights' sum, where the caller has it."""
     v, w = values, weights
     above = 0.0  # weight of the tokens above the candidates (all kept)
-    total = float(w.sum(dtype=np.float64)) if w is not None else float(v.size)  # of the candidates
+    if total is None:  # of the candidates
+        total = float(w.sum(dtype=np.float64)) if w is not None else float(v.size)
     for _ in range(MAX_ROUNDS):
         if v.size <= SMALL:
             break
