@@ -324,3 +324,24 @@ def test_logprob_top_entries_are_the_k_best_with_ties_by_id() -> None:
     assert [t for t, _ in s.top] == order.tolist()
     np.testing.assert_allclose([v for _, v in s.top], lp[order], atol=1e-5)
     assert s.rank == 1 and s.token == order[0]
+
+
+@pytest.mark.parametrize("mode", SELECTIONS, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
+def test_small_vocabularies_sort_whole_rows_to_the_same_draws(mode: dict) -> None:
+    """Up to FULL_SORT_VOCAB tokens the sampler sorts whole rows, batch-wide: the same kept sets,
+    probabilities and (one uniform per row, the CDF in token-id order) the same tokens."""
+    from lmdock._engine.sampler import FULL_SORT_VOCAB, _sample_small, draw, full_sort_distributions, kept_tokens, scaled_weights
+
+    logits = np.stack([_rows(kind, 2_000, 7) for kind in ("normal", "peaked", "ties", "masked")])
+    assert logits.shape[-1] <= FULL_SORT_VOCAB
+    params = SamplingParams(seed=3, **mode)
+    whole = full_sort_distributions(logits, [params] * 4)
+    for j in range(4):
+        np.testing.assert_allclose(whole[j], selected_probs(logits[j], params), rtol=2e-5, atol=1e-12)
+    rows = [SampleRow(params, [1], 1, np.random.default_rng(j)) for j in range(4)]
+    small = _sample_small(logits.copy(), rows)
+    partial = []
+    for j in range(4):
+        y, e = scaled_weights(logits[j].copy(), params)
+        partial.append(draw(*kept_tokens(y, e, params), np.random.default_rng(j)))
+    assert small == partial
