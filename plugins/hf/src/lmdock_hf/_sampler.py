@@ -72,11 +72,17 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     sampled = [j for j, r in enumerate(rows) if not r.params.greedy]
     if sampled:
         probs = _distributions(x[sampled], [rows[j].params for j in sampled])
-        cdf = torch.cumsum(probs.double(), dim=-1)
-        u = torch.tensor([[rows[j].rng.random()] for j in sampled], dtype=torch.float64, device=x.device)
+        wide = _wide(x.device)
+        cdf = torch.cumsum(probs.to(wide), dim=-1)
+        u = torch.tensor([[rows[j].rng.random()] for j in sampled], dtype=wide, device=x.device)
         drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=x.shape[-1] - 1)
         tokens[sampled] = drawn[:, 0]
     return tokens
+
+
+def _wide(device: torch.device) -> torch.dtype:
+    """float64 for sums and the CDF, as the reference; float32 on MPS, which has no float64."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def _apply_bias(x: torch.Tensor, row: SampleRow) -> None:
@@ -114,12 +120,13 @@ def _apply_penalties(x: torch.Tensor, row: SampleRow) -> None:
     if (p.frequency_penalty or p.presence_penalty) and row.num_output > 0:
         ids_np, counts_np = row.output_counts()
         ids = torch.from_numpy(ids_np).to(x.device)
-        counts = torch.from_numpy(counts_np).to(x.device, torch.float64)
-        x[ids] = (x[ids].double() - (p.frequency_penalty * counts + p.presence_penalty)).float()
+        wide = _wide(x.device)
+        counts = torch.from_numpy(counts_np).to(x.device, wide)
+        x[ids] = (x[ids].to(wide) - (p.frequency_penalty * counts + p.presence_penalty)).float()
 
 
 def _distributions(x: torch.Tensor, params: Sequence[Any]) -> torch.Tensor:
-    """Steps 6-8 for several rows: temperature, min_p, top_k, top_p (float32; the CDF in float64)."""
+    """Steps 6-8 for several rows: temperature, min_p, top_k, top_p (float32; sums and the CDF in float64 but on MPS)."""
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=x.device)[:, None]
     probs = torch.softmax(x / temps, dim=-1)
     min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=x.device)[:, None]
@@ -127,13 +134,14 @@ def _distributions(x: torch.Tensor, params: Sequence[Any]) -> torch.Tensor:
         probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
     vocab = x.shape[-1]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=x.device)[:, None]
+    wide = _wide(x.device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=wide, device=x.device)[:, None]
     if min(top_k) < vocab or bool((top_p < 1.0).any()):
         # stable: equal probabilities keep token-id order, as the reference breaks ties
         sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
         rank = torch.arange(vocab, device=x.device)[None, :]
         sorted_p = sorted_p.masked_fill(rank >= torch.tensor(top_k, device=x.device)[:, None], 0.0)
-        sp = sorted_p.double() / sorted_p.double().sum(dim=-1, keepdim=True)
+        sp = sorted_p.to(wide) / sorted_p.to(wide).sum(dim=-1, keepdim=True)
         before = torch.cumsum(sp, dim=-1) - sp  # the mass of the more likely tokens
         sorted_p = sorted_p.masked_fill((before >= top_p) & (top_p < 1.0), 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
