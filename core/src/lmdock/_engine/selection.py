@@ -36,19 +36,20 @@ def boundary(values: np.ndarray, weights: np.ndarray | None, target: float, tota
         upper = v > hi
         mass = _mass(upper, w)
         if above + mass >= target:  # the boundary is above hi (the sample missed the top)
-            keep, total = upper, mass
+            keep, next_above, next_total = upper, above, mass
         else:
             upper_lo = v > lo
             mass_lo = _mass(upper_lo, w)
             if above + mass_lo < target:  # below lo: everything above it is kept
-                above += mass_lo
-                keep, total = ~upper_lo, total - mass_lo
+                keep, next_above, next_total = ~upper_lo, above + mass_lo, total - mass_lo
             else:  # between: the expected case, a band of about 1/16 of the candidates
-                above += mass
-                keep, total = upper_lo & ~upper, mass_lo - mass
+                keep, next_above, next_total = upper_lo & ~upper, above + mass, mass_lo - mass
         idx = np.flatnonzero(keep)
-        if idx.size == v.size:  # no progress (ties): the sort decides
+        # none left: the float32 sums of two rounds disagree at a boundary within rounding of the
+        # target (the candidates then are all kept); all left: ties.  The sort decides either way.
+        if idx.size == 0 or idx.size == v.size:
             break
+        above, total = next_above, next_total
         v = v.take(idx)
         w = w.take(idx) if w is not None else None
     return _finish(v, w, above, target)
