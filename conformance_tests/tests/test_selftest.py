@@ -191,3 +191,54 @@ def test_each_wrong_backend_fails_exactly_its_tests(pytester: pytest.Pytester, b
     )
     failed = {line.split("::", 1)[1].split(" ", 1)[0] for line in result.stdout.lines if line.startswith("FAILED ")}
     assert failed == must_fail, f"{backend}: expected exactly {sorted(must_fail)} to fail, got {sorted(failed)}\n" + result.stdout.str()[-3000:]
+
+
+# -- --lmdock-sampler: a backend's native sampler is held to the reference's distribution ---------------
+
+HOT_SAMPLER = '''
+import dataclasses
+import lmdock
+from lmdock._plugins import get_registry
+from lmdock.backend import ReferenceSampler
+from lmdock_template import SPEC
+from lmdock_template._engine import NumpyLlama
+
+
+class Hot(ReferenceSampler):
+    """Deliberately wrong native sampler: draws at twice the temperature asked (greedy unchanged)."""
+
+    def sample(self, logits, rows):
+        return super().sample(logits / 2, rows)
+
+
+class HotPlugin:
+    @lmdock.hookimpl
+    def lmdock_register_backends(self, register):
+        register(dataclasses.replace(SPEC, name="hot"))
+
+    @lmdock.hookimpl
+    def lmdock_load_engine(self, backend, model_config, options, quantization, build):
+        return NumpyLlama.load(model_config) if backend == "hot" else None
+
+    @lmdock.hookimpl
+    def lmdock_make_sampler(self, backend, model_config):
+        return Hot() if backend == "hot" else None
+
+
+def pytest_configure(config):
+    get_registry().add_plugin(HotPlugin(), "hot")
+'''
+
+
+@pytest.mark.parametrize(("sampler", "fails"), [("backend", True), ("reference", False)])
+def test_the_sampler_option_picks_who_samples(pytester: pytest.Pytester, sampler: str, fails: bool) -> None:
+    """The backend's own sampler is what the suite tests by default (a wrong one fails the chi-square);
+    ``--lmdock-sampler=reference`` replaces it with the core's."""
+    pytester.makeconftest(HOT_SAMPLER)
+    result = pytester.runpytest_subprocess(
+        "--pyargs", "lmdock_conformance", "--lmdock-backend=hot", f"--lmdock-model={stories()}", f"--lmdock-sampler={sampler}",
+        "-k", "first_token_distribution", "-p", "no:cacheprovider",
+    )
+    got = result.parseoutcomes()
+    # the first-token chi-squares (test_generation.py's and test_reliability.py's under each setting)
+    assert (got.get("failed", 0) > 0, got.get("passed", 0) > 0) == (fails, not fails), got

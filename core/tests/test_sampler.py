@@ -185,3 +185,186 @@ def test_no_token_left_fails_the_row() -> None:
     row = _bias_row(SamplingParams(temperature=0, allowed_token_ids=(0,), bad_words=("x",)), [1], bad=((0,),))
     with pytest.raises(RequestError, match="no token"):
         ReferenceSampler().sample(LOGITS[None, :], [row])
+
+
+# --- issue 44: the partial selection against a plain full sort -------------------------------------
+
+
+def full_sort_probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> np.ndarray:
+    """The pipeline's steps 6-8 as the sampler defined them before issue 44: float64 softmax over the
+    whole row, then stable sorts of the whole row for top_k and top_p (ties by token id)."""
+    x = logits.astype(np.float64) / temperature
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    if min_p > 0:
+        p[p < min_p * p.max()] = 0.0
+    if 0 < top_k < p.size:
+        p[np.argsort(-p, kind="stable")[top_k:]] = 0.0
+    if top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        sp = p[order] / p.sum()
+        p[order[np.cumsum(sp) - sp >= top_p]] = 0.0
+    return p / p.sum()
+
+
+def selected_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    from lmdock._engine.sampler import kept_tokens, scaled_weights
+
+    y, e = scaled_weights(logits.astype(np.float32).copy(), params)
+    ids, w = kept_tokens(y, e, params)
+    out = np.zeros(logits.shape[-1])
+    out[ids] = w / w.sum(dtype=np.float64)
+    return out
+
+
+def _rows(kind: str, vocab: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if kind == "normal":  # flat: top_p keeps thousands
+        return rng.normal(0, 2, vocab).astype(np.float32)
+    if kind == "peaked":  # like a trained model: a few tokens hold the mass
+        x = rng.normal(0, 1.5, vocab).astype(np.float32)
+        x[rng.choice(vocab, 5, replace=False)] += np.array([12, 11, 10.5, 9, 8], dtype=np.float32)
+        return x
+    if kind == "ties":  # quarter steps: many equal logits at every boundary
+        return (np.round(rng.normal(0, 1, vocab) * 4) / 4).astype(np.float32)
+    x = rng.normal(0, 2, vocab).astype(np.float32)  # "masked": most of the row at -inf
+    x[rng.random(vocab) < 0.9] = -np.inf
+    return x
+
+
+SELECTIONS = [
+    {"temperature": 0.8, "top_p": 0.9},
+    {"temperature": 1.0, "top_p": 0.5},
+    {"temperature": 1.3, "top_p": 0.999},
+    {"temperature": 0.7, "top_k": 40},
+    {"temperature": 1.0, "top_k": 1},
+    {"temperature": 1.0, "top_k": 700, "top_p": 0.8},
+    {"temperature": 0.9, "min_p": 0.05},
+    {"temperature": 1.1, "min_p": 0.01, "top_k": 300, "top_p": 0.95},
+    {"temperature": 0.6, "top_p": 1.0},
+]
+
+
+@pytest.mark.parametrize("kind", ["normal", "peaked", "ties", "masked"])
+@pytest.mark.parametrize("mode", SELECTIONS, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
+def test_selection_keeps_what_a_full_sort_keeps(kind: str, mode: dict) -> None:
+    """Vocabularies past the point where the rounds start (SMALL): the same kept set, the same
+    probabilities."""
+    for vocab, seed in ((5_000, 1), (40_000, 2)):
+        logits = _rows(kind, vocab, seed)
+        want = full_sort_probs(logits, **mode)
+        got = selected_probs(logits, SamplingParams(**mode))
+        assert np.array_equal(got > 0, want > 0), (kind, vocab, int((got > 0).sum()), int((want > 0).sum()))
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-12)
+
+
+def test_ties_at_the_top_k_boundary_keep_the_lowest_token_ids() -> None:
+    logits = np.zeros(3_000, dtype=np.float32)
+    logits[[2500, 7, 1200]] = 1.0  # three equal leaders: top_k=2 keeps ids 7 and 1200
+    got = selected_probs(logits, SamplingParams(top_k=2))
+    assert np.flatnonzero(got).tolist() == [7, 1200]
+    # all tied: top_k keeps the first k ids, top_p the first ceil(top_p * V)
+    flat = np.zeros(1_000, dtype=np.float32)
+    assert np.flatnonzero(selected_probs(flat, SamplingParams(top_k=5))).tolist() == [0, 1, 2, 3, 4]
+    assert np.flatnonzero(selected_probs(flat, SamplingParams(top_p=0.0105))).tolist() == list(range(11))
+
+
+def test_top_k_and_top_p_select_from_what_bias_and_allowed_ids_leave() -> None:
+    """allowed_token_ids and logit_bias come first (step 2): the selection sees the masked row."""
+    logits = _rows("normal", 20_000, 3)
+    allowed = tuple(range(100, 20_000, 37))
+    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=1, allowed_token_ids=allowed, logit_bias={137: 30.0})
+    row = _bias_row(params, [1])
+    biased = logits.copy()
+    row.bias.apply(biased, row.token_ids, row.num_output)
+    want = full_sort_probs(biased, 0.9, 50, 0.9)
+    assert set(np.flatnonzero(want)) <= set(allowed) and want[137] > 0.99
+    tokens = {ReferenceSampler().sample(logits[None, :], [row])[0].token for _ in range(50)}
+    assert tokens <= set(np.flatnonzero(want).tolist()) and 137 in tokens
+
+
+def test_penalties_touch_only_the_seen_tokens_and_count_repeats() -> None:
+    vocab = 10_000
+    logits = _rows("normal", vocab, 4)
+    params = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3)
+    prompt, output = [5, 9, 5], [9, 42, 42, 42, 7]
+    row = SampleRow(params, prompt + output[:2], len(prompt), np.random.default_rng(0))
+    apply_penalties(logits.copy(), row)  # counts kept so far; the rest arrive one token at a time
+    row.token_ids.extend(output[2:])
+    got = apply_penalties(logits.copy(), row)
+    want = logits.astype(np.float64)
+    for t in {5, 9, 42, 7}:
+        want[t] = want[t] / 1.3 if want[t] > 0 else want[t] * 1.3
+    for t, n in {9: 1, 42: 3, 7: 1}.items():
+        want[t] -= 0.4 * n + 0.3
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    untouched = np.setdiff1d(np.arange(vocab), [5, 9, 42, 7])
+    assert np.array_equal(got[untouched], logits[untouched])
+
+
+def test_the_draw_is_the_inverse_cdf_over_the_whole_row() -> None:
+    """The same uniform picks the same token as a CDF over all V tokens in id order, so seeded
+    samples are the ones the full-sort sampler drew (up to float rounding at a CDF step)."""
+    logits = _rows("normal", 30_000, 5)
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+    probs = full_sort_probs(logits, 0.8, top_p=0.9)
+    cdf = np.cumsum(probs)
+    row = SampleRow(params, [1], 1, np.random.default_rng(7))
+    mirror = np.random.default_rng(7)
+    for _ in range(200):
+        token = ReferenceSampler().sample(logits[None, :], [row])[0].token
+        assert token == min(int((cdf <= mirror.random() * cdf[-1]).sum()), cdf.size - 1)
+
+
+def test_logprob_top_entries_are_the_k_best_with_ties_by_id() -> None:
+    logits = _rows("ties", 8_000, 6)
+    s = ReferenceSampler().sample(logits[None, :], [SampleRow(SamplingParams(temperature=0, logprobs=20), [1], 1, np.random.default_rng(0))])[0]
+    lp = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum())
+    order = np.argsort(-lp, kind="stable")[:20]
+    assert [t for t, _ in s.top] == order.tolist()
+    np.testing.assert_allclose([v for _, v in s.top], lp[order], atol=1e-5)
+    assert s.rank == 1 and s.token == order[0]
+
+
+@pytest.mark.parametrize("mode", SELECTIONS, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
+def test_small_vocabularies_sort_whole_rows_to_the_same_draws(mode: dict) -> None:
+    """Up to FULL_SORT_VOCAB tokens the sampler sorts whole rows, batch-wide: the same kept sets,
+    probabilities and (one uniform per row, the CDF in token-id order) the same tokens."""
+    from lmdock._engine.sampler import (
+        FULL_SORT_VOCAB,
+        _sample_small,
+        draw,
+        full_sort_distributions,
+        kept_tokens,
+        scaled_weights,
+    )
+
+    logits = np.stack([_rows(kind, 2_000, 7) for kind in ("normal", "peaked", "ties", "masked")])
+    assert logits.shape[-1] <= FULL_SORT_VOCAB
+    params = SamplingParams(seed=3, **mode)
+    whole = full_sort_distributions(logits, [params] * 4)
+    for j in range(4):
+        np.testing.assert_allclose(whole[j], selected_probs(logits[j], params), rtol=2e-5, atol=1e-12)
+    rows = [SampleRow(params, [1], 1, np.random.default_rng(j)) for j in range(4)]
+    small = _sample_small(logits.copy(), rows)
+    partial = []
+    for j in range(4):
+        y, e = scaled_weights(logits[j].copy(), params)
+        partial.append(draw(*kept_tokens(y, e, params), np.random.default_rng(j)))
+    assert small == partial
+
+
+def test_a_boundary_within_rounding_of_the_target_is_found() -> None:
+    """A case the engine_overhead benchmark met: the first round's mass above the bracket equals the
+    target to float32 rounding, the second round's sum of the same tokens falls short of it, and the
+    rounds were left with no candidate (IndexError).  The kept set is the full sort's up to that token."""
+    vocab = 151_936
+    logits = np.random.default_rng(0).normal(0, 2, vocab).astype(np.float32)
+    params = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1, presence_penalty=0.2)
+    prompt = [1] + [3 + (i % 500) for i in range(15)]
+    row = SampleRow(params, prompt + [56412, 88214, 76245, 104364, 98425, 129653, 87225], len(prompt), np.random.default_rng(0))
+    x = apply_penalties(logits.copy(), row)
+    got = selected_probs(x, params) > 0
+    want = full_sort_probs(x, 0.8, top_p=0.9) > 0
+    assert abs(int(got.sum()) - int(want.sum())) <= 1 and (got & want).sum() == min(got.sum(), want.sum())
+    assert ReferenceSampler().sample(logits[None, :], [row])[0].token in np.flatnonzero(got)

@@ -31,6 +31,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--lmdock-zoo-probe", action="store_true",
                     help="load every family even where the spec refuses it, to find which the engine runs exactly (for writing the declarations)")
     group.addoption("--lmdock-zoo-outcomes", default=None, help="write each family's outcome (exact / refused / diverged) to this JSON file")
+    group.addoption("--lmdock-sampler", choices=("backend", "reference"), default="backend",
+                    help="who samples: the backend's choice (its native sampler, where it has one; default), or the core's "
+                         "reference sampler forced (run the sampling tests both ways: the reference defines the semantics)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -134,9 +137,25 @@ class Setup:
         return LLM(self.model, backend=self.backend, **options)
 
 
+def reference_sampler_first() -> Any:
+    """``--lmdock-sampler=reference``: a plugin answering ``lmdock_make_sampler`` before any backend."""
+    from lmdock.backend import ReferenceSampler, hookimpl
+
+    class ReferenceSamplerFirst:
+        @hookimpl(tryfirst=True)
+        def lmdock_make_sampler(self, backend: str, model_config: Any) -> Any:
+            return ReferenceSampler()
+
+    return ReferenceSamplerFirst()
+
+
 @pytest.fixture(scope="session")
 def lmdock_setup(pytestconfig: pytest.Config) -> Setup:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if pytestconfig.getoption("--lmdock-sampler") == "reference":
+        from lmdock._plugins import get_registry
+
+        get_registry().add_plugin(reference_sampler_first(), "lmdock-conformance-reference-sampler")
     return Setup(pytestconfig)
 
 

@@ -164,9 +164,14 @@ class SeqChunk:
 @dataclass
 class StepOutput:
     """Logits for one step: ``last[i]`` (float32, shape [vocab]) is for ``chunks[i]``'s last token;
-    ``full[seq_id]`` (shape [len(chunk), vocab]) where ``all_logits`` was asked."""
+    ``full[seq_id]`` (NumPy, shape [len(chunk), vocab]) where ``all_logits`` was asked.
 
-    last: np.ndarray
+    ``last`` is a NumPy array, or the engine's own array (a torch tensor, an MLX array) where the
+    backend answers ``lmdock_make_sampler`` with a native sampler that reads it on its device; the
+    core reads such an array on the host through ``lmdock.backend.host_array`` (the reference
+    sampler, grammar masks, beam search), so an engine returning NumPy keeps working unchanged."""
+
+    last: Any
     full: dict[int, np.ndarray] = field(default_factory=dict)
 
 

@@ -36,16 +36,20 @@ class Backend:
       (``lmdock_translate_quantization``); without it, every ``[quantization]`` is refused.
     * ``parallel``: whether the engine spreads one model over several devices itself; without it a
       ``tensor_parallel_size`` or ``pipeline_parallel_size`` above 1 is refused.
+    * ``sampler(model_config)`` makes a native sampler (``lmdock_make_sampler``) of the reference
+      sampler's semantics, for an engine whose logits live on a device; None declines (the reference).
 
     ``[offload]`` is refused with the spec's own reason where the spec lacks ``"offload"``.
     """
 
-    def __init__(self, spec: BackendSpec, *, load: Load, build: Build | None = None, quantize: Quantize | None = None, parallel: bool = False) -> None:
+    def __init__(self, spec: BackendSpec, *, load: Load, build: Build | None = None, quantize: Quantize | None = None, parallel: bool = False,
+                 sampler: Callable[[ModelConfig], Any] | None = None) -> None:
         self.spec = spec
         self.load = load
         self.build = build
         self.quantize = quantize
         self.parallel = parallel
+        self.sampler = sampler
 
     def __repr__(self) -> str:
         return f"Backend({self.spec.name!r})"
@@ -72,6 +76,12 @@ class Backend:
         if backend != self.spec.name:
             return None
         return self.load(model_config, options, quantization, build)
+
+    @hookimpl
+    def lmdock_make_sampler(self, backend: str, model_config: ModelConfig) -> Any:
+        if backend != self.spec.name or self.sampler is None:
+            return None
+        return self.sampler(model_config)
 
     def _refuse_what_the_spec_lacks(self, mc: ModelConfig) -> None:
         who = self.spec.package or f"backend {self.spec.name!r}"

@@ -36,7 +36,7 @@ from lmdock._tokenizer import Tokenizer
 if TYPE_CHECKING:
     from lmdock._engine.beam import BeamSearch
     from lmdock._engine.pooling import pool_hidden, read_pooling_config
-    from lmdock._engine.sampler import ReferenceSampler, Sample, Sampler, SampleRow
+    from lmdock._engine.sampler import ReferenceSampler, Sample, Sampler, SampleRow, host_array
     from lmdock._engine.scheduler import FcfsScheduler, Scheduler
     from lmdock._engine.slots import SlotTable
 
@@ -44,6 +44,7 @@ _LAZY = {
     "BeamSearch": "lmdock._engine.beam",
     "FcfsScheduler": "lmdock._engine.scheduler",
     "ReferenceSampler": "lmdock._engine.sampler",
+    "host_array": "lmdock._engine.sampler",
     "Sample": "lmdock._engine.sampler",
     "SampleRow": "lmdock._engine.sampler",
     "Sampler": "lmdock._engine.sampler",
@@ -105,6 +106,7 @@ __all__ = [
     "build_options",
     "has_nvidia_gpu",
     "hookimpl",
+    "host_array",
     "pool_hidden",
     "read_lora_adapter",
     "read_model_json",

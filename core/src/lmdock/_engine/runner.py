@@ -51,7 +51,7 @@ from lmdock._engine.overlap import DeferredOutput
 from lmdock._engine.prompt_caching import PromptCaching
 from lmdock._engine.queries import Queries
 from lmdock._engine.requests import Requests
-from lmdock._engine.sampler import LogitsProcessor, Sample, Sampler
+from lmdock._engine.sampler import LogitsProcessor, Sample, Sampler, host_array
 from lmdock._engine.sampling import sample_contained
 from lmdock._engine.scheduler import Scheduler
 from lmdock._engine.sequence import QuerySeq, Req, Seq, live
@@ -382,7 +382,7 @@ class StepRunner:
             if seq.num_computed != len(seq.token_ids):
                 continue
             if seq.req is None:
-                self._guard(seq, "finishing the query", self.queries.finish, seq, out.last[i])
+                self._guard(seq, "finishing the query", self.queries.finish, seq, host_array(out.last[i]))
                 continue
             (ready if seq.req.beam is None else beams).append(i)
             if caching and self.prompts.wants(seq):
@@ -398,7 +398,7 @@ class StepRunner:
 
     def _beam_search(self, plan: Plan, beams: list[int], out: Any) -> None:
         """4. Advance the beam requests of these rows; finish those whose search ended."""
-        for req, reason, error in self.beams.step([plan[i][0] for i in beams], out.last[beams]):
+        for req, reason, error in self.beams.step([plan[i][0] for i in beams], host_array(out.last[beams])):
             self.requests.finish(req, reason, error)
 
     def _sample(self, plan: Plan, ready: list[int], fan: list[tuple[Seq, int]], out: Any) -> tuple[list[Seq], list[Sample | None]]:

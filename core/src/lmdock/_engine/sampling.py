@@ -9,25 +9,24 @@ raise come back as failures, with no sample.
 from __future__ import annotations
 
 from collections.abc import Callable
-
-import numpy as np
+from typing import Any
 
 from lmdock._engine.constraints import mask_rows
 from lmdock._engine.failures import Failure, as_request_error
-from lmdock._engine.sampler import Sample, Sampler
+from lmdock._engine.sampler import Sample, Sampler, host_array
 from lmdock._engine.sequence import Seq
 
 
 def sample_contained(
-    sampler: Sampler, logits: np.ndarray, seqs: list[Seq], fill_masks: Callable[..., None] | None = None
+    sampler: Sampler, logits: Any, seqs: list[Seq], fill_masks: Callable[..., None] | None = None
 ) -> tuple[list[Sample | None], list[Failure]]:
     """A sample per sequence (None where its row failed), and the failures."""
     # Rows with logits processors run plugin code that may raise after other rows have drawn:
     # their generators are saved first so a retry row by row draws the same numbers.
     saved = [(s.row, s.row.rng.bit_generator.state) for s in seqs if not s.row.params.greedy] if any(s.row.processors for s in seqs) else None
     failures: list[Failure] = []
-    if any(s.constraint is not None for s in seqs):
-        logits, failures = mask_rows(logits, seqs, fill_masks)
+    if any(s.constraint is not None for s in seqs):  # grammar masks are made on the host
+        logits, failures = mask_rows(host_array(logits), seqs, fill_masks)
     try:
         return list(sampler.sample(logits, [s.row for s in seqs])), failures
     except Exception:

@@ -24,6 +24,10 @@ class HFOptions:
     attn_implementation: Literal["auto", "sdpa", "eager"] = "auto"
     num_threads: int | None = None
     low_cpu_mem_usage: bool = True
+    #: who samples: "auto" (torch on the device when the model runs on an accelerator, the core's
+    #: NumPy reference sampler on the CPU, where its partial selection is faster), "torch" (always
+    #: torch, on any device), "reference" (always the reference: each step's logits to the host)
+    sampler: Literal["auto", "torch", "reference"] = "auto"
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:
@@ -106,5 +110,14 @@ def _load(model_config: ModelConfig, options: Any, quantization: Any, build: dic
     return HFStepEngine.load(model_config, options, build, quantization)
 
 
+def _sampler(model_config: ModelConfig) -> Any:
+    mode = model_config.backend_options("hf").get("sampler", "auto")
+    if mode == "reference":
+        return None  # the core's reference sampler answers
+    from lmdock_hf._sampler import TorchSampler
+
+    return TorchSampler(mode)
+
+
 #: what the entry point names: the spec and the functions above (lmdock.backend.Backend)
-plugin = Backend(SPEC, load=_load, build=_build, quantize=_quantize)
+plugin = Backend(SPEC, load=_load, build=_build, quantize=_quantize, sampler=_sampler)

@@ -124,7 +124,8 @@ class HFStepEngine:
         for c in chunks:
             cache.slot(c.seq_id)
         cache.reserve(len(cache), max(c.start + len(c.token_ids) for c in chunks))
-        last = np.empty((len(chunks), self.vocab_size), dtype=np.float32)
+        # on the model's device: the sampler (lmdock_hf._sampler) takes what it needs from there
+        last = torch.empty((len(chunks), self.vocab_size), dtype=torch.float32, device=self.device)
         full: dict[int, np.ndarray] = {}
         decode = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1 and not c.all_logits]
         decode.sort(key=lambda i: cache.slot_of[chunks[i].seq_id])
@@ -137,12 +138,12 @@ class HFStepEngine:
             logits = self._forward([c], all_logits=c.all_logits)
             last[i] = logits[-1]
             if c.all_logits:
-                full[c.seq_id] = logits
+                full[c.seq_id] = logits.cpu().numpy()
         if self.adapters is not None:
             self.adapters.evict(chunks)
         return StepOutput(last, full)
 
-    def _forward(self, chunks: list[SeqChunk], all_logits: bool) -> np.ndarray:
+    def _forward(self, chunks: list[SeqChunk], all_logits: bool) -> torch.Tensor:
         """One forward over chunks of equal width; logits [rows, vocab] (or [width, vocab])."""
         width = len(chunks[0].token_ids)
         starts = [c.start for c in chunks]
@@ -166,7 +167,7 @@ class HFStepEngine:
                 self.adapters.clear()
         self.forward_calls += 1
         logits = out.logits.float()
-        return (logits[0] if all_logits else logits[:, -1]).cpu().numpy()
+        return logits[0] if all_logits else logits[:, -1]
 
     def _mask(self, pos: torch.Tensor, kv_len: int, starts: list[int], width: int) -> torch.Tensor | None:
         """The additive 4D mask; None where our attention needs none (see ``_sdpa_gqa``)."""

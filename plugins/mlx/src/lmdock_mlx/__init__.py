@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import lmdock
 from lmdock import ModelConfig
@@ -18,7 +18,10 @@ QUANT_BITS = {"int8_weight_only": 8, "int4_weight_only": 4}
 
 @dataclass(frozen=True)
 class MlxOptions:
-    """``[models.NAME.backends.mlx]``: options of the MLX backend (none yet; unknown keys are errors)."""
+    """``[models.NAME.backends.mlx]``: options of the MLX backend (unknown keys are errors)."""
+
+    #: who samples: "mlx" (the pipeline in MLX, where the logits are) or "reference" (the core's NumPy sampler)
+    sampler: Literal["mlx", "reference"] = "mlx"
 
 
 def _available() -> str | None:
@@ -88,4 +91,12 @@ def _load(model_config: ModelConfig, options: Any, quantization: Any, build: dic
 
 
 #: what the entry point names: the spec and the functions above (lmdock.backend.Backend)
-plugin = Backend(SPEC, load=_load, build=_build, quantize=_quantize)
+def _sampler(model_config: ModelConfig) -> Any:
+    if model_config.backend_options("mlx").get("sampler", "mlx") == "reference":
+        return None  # the core's reference sampler answers
+    from lmdock_mlx._sampler import MlxSampler
+
+    return MlxSampler()
+
+
+plugin = Backend(SPEC, load=_load, build=_build, quantize=_quantize, sampler=_sampler)

@@ -2,7 +2,7 @@
 
 Each sequence keeps its own mlx-lm prompt cache (one ``KVCache`` per layer).  A step builds the
 graphs of every chunk lazily and evaluates them together, so MLX schedules the work of all
-sequences at once; logits cross to NumPy once per step.  Sequences decoding together share one
+sequences at once; the last logits stay MLX arrays for the sampler (``lmdock_mlx._sampler``).  Sequences decoding together share one
 ``BatchKVCache`` (the decode group).
 
 Running ahead: when the core says the decode group's rows (or the one sequence decoding alone) will
@@ -221,19 +221,22 @@ class MlxStepEngine:
         if nxt is not None:
             mx.async_eval(nxt.logits)
         try:
-            last = np.empty((len(chunks), self.vocab_size), dtype=np.float32)
+            parts: list[Any] = [None] * len(chunks)
             if group_logits is not None:
-                rows = np.array(group_logits)  # waits for this step only
                 row_of = {s: r for r, s in enumerate(self.group_ids)}
-                last[decode] = rows[[row_of[chunks[i].seq_id] for i in decode]]
+                for i in decode:
+                    parts[i] = group_logits[row_of[chunks[i].seq_id]]
             full: dict[int, np.ndarray] = {}
             for i, (c, logits) in enumerate(zip(chunks, pending)):
                 if logits is None:
                     continue
-                rows = np.array(logits)
-                last[i] = rows[-1]
+                parts[i] = logits[-1]
                 if c.all_logits:
-                    full[c.seq_id] = rows
+                    full[c.seq_id] = np.array(logits)
+            # kept in MLX for the sampler (lmdock_mlx._sampler); evaluated here, which waits for
+            # this step only, so a failing step fails here, where its run-ahead is undone
+            last = mx.stack(parts) if parts else mx.zeros((0, self.vocab_size), dtype=mx.float32)
+            mx.eval(last)
             if nxt is not None:
                 nxt.tokens = nxt.spec.tolist()
         except BaseException:
