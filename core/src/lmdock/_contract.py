@@ -213,6 +213,10 @@ class StepEngine(Protocol):
     # refuse that request alone (an unknown folder, an adapter for another model); chunks then name it.
     # Optional: ``thread_exit()`` is called in the engine thread as it ends, for resources that
     # belong to that thread (MLX streams, for one).
+    # Optional: ``fork_truncates = False`` says the engine's state cannot be cut back to fewer positions
+    # than it covers (a recurrent / SSM state summarises them all): ``fork`` then copies a sequence
+    # only at the length its state stands at, and automatic prefix caching reuses a cached prompt only
+    # where the new prompt extends all of it (docs/engine.md).
     # Optional: ``overlap_host_work = True`` says ``step`` spends its time outside the GIL and leaves
     # a CPU core free (its forward runs on an accelerator): the core then detokenizes and delivers
     # the previous step's outputs on a helper thread while ``step`` runs (``lmdock._engine.overlap``;

@@ -105,9 +105,9 @@ class PromptCache:
         """KV positions the cached prompts hold (counted apart, even where an engine shares them)."""
         return sum(len(t) for _, t in self._entries.values())
 
-    def lookup(self, tokens: Sequence[int], adapter: Any = None) -> tuple[int | None, int]:
+    def lookup(self, tokens: Sequence[int], adapter: Any = None, whole: bool = False) -> tuple[int | None, int]:
         """``(a cached sequence sharing the longest prefix with tokens under the same adapter, that
-        prefix's length)``."""
+        prefix's length)``; ``whole``: only a cached prompt that ``tokens`` extends all of."""
         self.lookups += 1
         node, best, depth = self.roots.get(adapter), None, 0
         if node is None:
@@ -116,6 +116,11 @@ class PromptCache:
             node = node.children.get(tok)  # type: ignore[assignment]
             if node is None or not node.holders:
                 break
+            if whole:
+                ends = [h for h in node.holders if len(self._entries[h][1]) == i + 1]
+                if ends:
+                    best, depth = ends[0], i + 1
+                continue
             best, depth = next(iter(node.holders)), i + 1
         if best is not None:
             self._entries.move_to_end(best)

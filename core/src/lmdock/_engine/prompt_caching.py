@@ -7,6 +7,10 @@ see, so the scheduler plans within what they leave, and the cache gives way firs
 it would hold more than half the capacity, and a scheduler that would otherwise preempt or fail a
 sequence for want of KV room first asks :meth:`PromptCaching.reclaim` for it (least recently used
 prompts go first).  The first time the engine cannot fork, caching is off for good.
+
+An engine whose state cannot be cut back (``fork_truncates = False``: a recurrent / SSM state covers
+every position it has seen) reuses a cached prompt only where the new prompt extends all of it: the
+cached state then stands exactly at the shared boundary.  ``mode`` says which (``LLM.stats()``).
 """
 
 from __future__ import annotations
@@ -24,14 +28,26 @@ log = logging.getLogger("lmdock.engine")
 
 
 class PromptCaching:
-    def __init__(self, kv: KV, scheduler: Scheduler, new_seq_id: Callable[[], int], enabled: bool) -> None:
+    def __init__(self, kv: KV, scheduler: Scheduler, new_seq_id: Callable[[], int], enabled: bool, whole: bool = False) -> None:
         self.kv = kv
+        #: reuse only whole cached prompts (the engine's state cannot be truncated)
+        self.whole = whole
+        if enabled and whole:
+            log.info("prefix caching: the engine's state cannot be truncated (recurrent layers); "
+                     "a cached prompt is reused only by prompts that extend all of it")
         self.scheduler = scheduler
         self.new_seq_id = new_seq_id
         #: None: caching is off (not asked for, or the engine could not fork)
         self.cache: PromptCache | None = PromptCache() if enabled else None
         if enabled and getattr(scheduler, "reclaim", False) is None:  # a scheduler that asks before evicting
             scheduler.reclaim = self.reclaim  # type: ignore[attr-defined]
+
+    @property
+    def mode(self) -> str:
+        """``off``, ``prefixes`` (any shared prefix) or ``whole prompts`` (state that cannot be truncated)."""
+        if self.cache is None:
+            return "off"
+        return "whole prompts" if self.whole else "prefixes"
 
     @property
     def held(self) -> int:
@@ -47,7 +63,8 @@ class PromptCaching:
         prompt token is left to compute: its logits start the output)."""
         if self.cache is None:
             return
-        src, length = self.cache.lookup(seq.token_ids, adapter_of(seq))
+        tokens = seq.token_ids[: seq.prompt_len - 1] if self.whole else seq.token_ids
+        src, length = self.cache.lookup(tokens, adapter_of(seq), whole=self.whole)
         length = min(length, seq.prompt_len - 1)
         if src is None or length <= 0:
             return

@@ -100,7 +100,8 @@ class StepRunner:
         self.queries = Queries(self.kv, scheduler, self._new_seq_id)
         self.requests = Requests(engine, scheduler, self.kv, self.output, self.queries)
         #: automatic prefix caching of generate prompts (``kv_cache.enable_prefix_caching``)
-        self.prompts = PromptCaching(self.kv, scheduler, self._new_seq_id, prefix_caching)
+        self.prompts = PromptCaching(self.kv, scheduler, self._new_seq_id, prefix_caching,
+                                     whole=not getattr(engine, "fork_truncates", True))
         self.beams = BeamStepper(self.kv, scheduler, self._new_seq_id, engine.eos_token_ids, engine.max_seq_len)
         self._processors_for = processors_for
         #: ``constraints_for(params, n)``: one structured-output constraint per completion, or None
@@ -195,6 +196,7 @@ class StepRunner:
             "num_sequences_held": (held() - cached) if callable(held) else None,
             "num_sequences_cached": cached,
             "prefix_cache_hit_tokens": self.prompts.hit_tokens,
+            "prefix_caching": self.prompts.mode,
             "dead": self._inbox.dead is not None,
             # LoRA (vLLM's lora_requests_info): the adapters of running and waiting requests, by name
             "running_lora_adapters": _adapter_names(running),

@@ -26,6 +26,8 @@ import torch
 from lmdock.backend import SlotTable
 from transformers.cache_utils import Cache
 
+from lmdock_hf._states import Key, SlotStates
+
 
 def cache_keyword(module: torch.nn.Module) -> str:
     """The keyword ``module.forward`` takes the cache by: ``cache`` from transformers 5.24 on (where
@@ -47,6 +49,8 @@ class SlotKVCache(SlotTable):
         self.v: list[torch.Tensor] = []
         self.cap_slots = 0
         self.cap_len = 0
+        #: hybrid models' conv / recurrent states, one row per slot (empty for attention-only models)
+        self.states = SlotStates()
 
     def reserve(self, slots: int, length: int) -> None:
         """Grow (by doubling) so ``slots`` slots of ``length`` positions fit."""
@@ -57,6 +61,8 @@ class SlotKVCache(SlotTable):
             new_len = min(self.max_len, max(64, new_len * 2))
         if (new_slots, new_len) == (self.cap_slots, self.cap_len):
             return
+        if self.states and new_slots != self.cap_slots:
+            self.states.resize(new_slots, len(self))
         for layer in range(len(self.k)):
             self.k[layer] = self._grown(self.k[layer], new_slots, new_len)
             self.v[layer] = self._grown(self.v[layer], new_slots, new_len)
@@ -87,6 +93,9 @@ class SlotKVCache(SlotTable):
             for k, v in zip(self.k, self.v):
                 k[hole].copy_(k[last])
                 v[hole].copy_(v[last])
+            self.states.move(hole, last)
+        else:
+            self.states.drop(len(self))
         self._shrink()
 
     def _shrink(self) -> None:
@@ -99,6 +108,7 @@ class SlotKVCache(SlotTable):
             slots //= 2
         if slots == self.cap_slots:
             return
+        self.states.resize(slots, len(self))
         for layer in range(len(self.k)):
             self.k[layer] = self._kept(self.k[layer], slots)
             self.v[layer] = self._kept(self.v[layer], slots)
@@ -115,6 +125,11 @@ class SlotKVCache(SlotTable):
         for k, v in zip(self.k, self.v):
             k[d, :, :length] = k[s, :, :length]
             v[d, :, :length] = v[s, :, :length]
+        self.states.copy(s, d)
+
+    def state_length(self, seq_id: int) -> int:
+        """The positions the sequence's recurrent state covers (it cannot be cut back: ``_states``)."""
+        return self.states.lengths.get(self.slot_of[seq_id], 0)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """The model's ``[..., head_dim]`` keys or values as stored rows (only where ``packed``)."""
@@ -147,6 +162,16 @@ class BatchView(Cache):
         self.slots = slots
         self.slot_t = torch.tensor(slots, device=dev)
         self.start_t = torch.tensor(starts, device=dev)
+        #: recurrent state the rows read (a decode row continues its state; a prefill from 0 starts one)
+        self.prior = any(starts)
+        self._gathered: dict[Key, torch.Tensor] = {}  # state rows copied out of non-contiguous slots
+        states = cache.states
+        for s, a in zip(slots, starts):
+            states.lengths[s] = a + width
+        if states and self.prior and not all(starts):  # a fresh row in a decode batch starts from zeros
+            fresh = torch.tensor([s for s, a in zip(slots, starts) if a == 0], device=dev)
+            for t in states.t.values():
+                t[fresh] = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the forward's new K/V for ``layer_idx``; return every row's K/V up to ``kv_len``.
@@ -185,3 +210,63 @@ class BatchView(Cache):
         """``(kv_length, kv_offset)`` for transformers' mask builders: every row reads ``kv_len`` keys
         from position 0.  (4.56 passes the cache positions, 5.x the query length; neither changes it.)"""
         return self.kv_len, 0
+
+    # -- hybrid models: conv / recurrent states (transformers 5's linear-attention Cache API) ----------
+
+    def _rows(self, key: Key) -> torch.Tensor | None:
+        t = self.cache.states.t.get(key)
+        if t is None or not self.prior:
+            return None  # a prefill from position 0: the model starts the state
+        if self.contiguous:
+            return t[self.slots[0] : self.slots[0] + len(self.slots)]  # a view: in-place updates land
+        rows = t[self.slot_t]  # a copy: written back by finish() unless the model stores new rows
+        self._gathered[key] = rows
+        return rows
+
+    def _store(self, key: Key, rows: torch.Tensor) -> torch.Tensor:
+        t = self.cache.states.get(key, rows, self.cache.cap_slots)
+        self._gathered.pop(key, None)
+        if self.contiguous:
+            lo = self.slots[0]
+            t[lo : lo + len(self.slots)] = rows
+            return t[lo : lo + len(self.slots)]
+        t[self.slot_t] = rows
+        return rows
+
+    def finish(self) -> None:
+        """After the forward: state rows the model updated in place in a copy go back to their slots."""
+        for key, rows in self._gathered.items():
+            self.cache.states.t[key][self.slot_t] = rows
+        self._gathered.clear()
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self._rows((layer_idx, "conv", state_idx))
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self._rows((layer_idx, "recurrent", state_idx))
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return self.prior
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False  # nothing is ever cropped: a fork copies whole states (``_states``)
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, conv_kernel_size: int | None = None, **kwargs: Any) -> torch.Tensor:
+        """As ``LinearAttentionLayer.update_conv_state``: return the inputs the causal convolution
+        reads (the kept state, then the new ones), keep the last ``kernel`` of them."""
+        key = (layer_idx, "conv", state_idx)
+        prev = self._rows(key)
+        if prev is not None:
+            full = torch.cat([prev, conv_states], dim=-1)
+            kernel = prev.shape[-1]
+        else:
+            known = self.cache.states.t.get(key)
+            kernel = conv_kernel_size or (known.shape[-1] if known is not None else conv_states.shape[-1])
+            full = conv_states
+            if full.shape[-1] < kernel:
+                full = torch.nn.functional.pad(full, (kernel - full.shape[-1], 0))
+        self._store(key, full[..., -kernel:])
+        return full
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any) -> torch.Tensor:
+        return self._store((layer_idx, "recurrent", state_idx), recurrent_states)

@@ -18,33 +18,13 @@ import torch
 from lmdock import BackendError, ConfigError, LoRARequest, ModelConfig
 from lmdock.backend import SeqChunk, StepOutput, read_model_json
 
+from lmdock_hf._attention import ATTENTION, positions, register, row_mask
 from lmdock_hf._cache import BatchView, SlotKVCache, cache_keyword
+from lmdock_hf._family import check, inspect
 from lmdock_hf._lora import DEFAULT_MAX_LORAS, Adapters
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-ATTENTION = "lmdock_sdpa"
-
-
-def _sdpa_gqa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """SDPA that keeps grouped KV heads grouped (``enable_gqa``) even with a mask.
-
-    transformers' own SDPA path repeats the KV heads whenever a mask is given, which copies the
-    whole KV state of every layer at every decode step; with rows at different positions we always
-    pass a mask, and this is 4x faster in attention on CPU.  ``None`` means causal from position 0
-    (a prefill chunk that starts the sequence) or no masking at all (one query per row).
-    """
-    causal = attention_mask is None and query.shape[2] > 1
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, is_causal=causal, scale=scaling,
-        enable_gqa=key.shape[1] != query.shape[1],
-    )
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _register_attention() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTENTION, _sdpa_gqa)
+_register_attention = register  # the offload engine registers it too
 
 
 class HFStepEngine:
@@ -69,6 +49,8 @@ class HFStepEngine:
         self.adapters: Adapters | None = None
         self._adapters_made = threading.Lock()  # submitting threads race to make it: one must win
         self.lora_limits: tuple[int | None, int | None] = (None, None)  # build.max_loras, build.max_lora_rank
+        #: a recurrent (SSM / conv) state cannot be cut back: forks only at the length it stands at
+        self.fork_truncates = not inspect(model.config).recurrent
 
     # -- loading --------------------------------------------------------------------------------
 
@@ -91,6 +73,8 @@ class HFStepEngine:
                 f"lmdock-hf could not load {mc.model!r}: {exc}. Pass a local folder, or a hub id that is "
                 "already in the Hugging Face cache when HF_HUB_OFFLINE=1 is set."
             ) from exc
+        attn = model.config._attn_implementation
+        check(inspect(model.config), mc.model, "auto" if attn == ATTENTION else attn)
         model.to(device).eval()
         model.requires_grad_(False)
         if quantization:
@@ -154,14 +138,16 @@ class HFStepEngine:
         if self.adapters is not None:
             self.adapters.select([c.lora for c in chunks])
         try:
-            out = self.model(
-                input_ids=ids,
-                attention_mask=self._mask(pos, kv_len, starts, width),
-                position_ids=pos,
-                use_cache=True,
-                **{self.cache_kw: view},
-                logits_to_keep=0 if all_logits else 1,
-            )
+            with positions(pos):
+                out = self.model(
+                    input_ids=ids,
+                    attention_mask=self._mask(pos, kv_len, starts, width),
+                    position_ids=pos,
+                    use_cache=True,
+                    **{self.cache_kw: view},
+                    logits_to_keep=0 if all_logits else 1,
+                )
+            view.finish()
         finally:
             if self.adapters is not None:
                 self.adapters.clear()
@@ -170,17 +156,13 @@ class HFStepEngine:
         return logits[0] if all_logits else logits[:, -1]
 
     def _mask(self, pos: torch.Tensor, kv_len: int, starts: list[int], width: int) -> torch.Tensor | None:
-        """The additive 4D mask; None where our attention needs none (see ``_sdpa_gqa``)."""
+        """The additive 4D mask; None where our attention needs none (see ``lmdock_hf._attention``)."""
         if self.model.config._attn_implementation == ATTENTION:
             if width == 1 and all(a + 1 == kv_len for a in starts):
                 return None  # every row sees all its keys
             if width > 1 and starts == [0] * len(starts):
                 return None  # plain causal
-        keys = torch.arange(kv_len, device=self.device)
-        allowed = keys[None, None, :] <= pos[:, :, None]  # [rows, width, kv_len]
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        return mask[:, None]
+        return row_mask(pos, kv_len, self.dtype)
 
     @torch.inference_mode()
     def release(self, seq_id: int) -> None:
@@ -188,6 +170,8 @@ class HFStepEngine:
 
     @torch.inference_mode()
     def fork(self, src_seq_id: int, dst_seq_id: int, length: int) -> bool:
+        if not self.fork_truncates and self.cache.state_length(src_seq_id) != length:
+            return False  # the state covers more positions than asked: the core computes them instead
         self.cache.copy(src_seq_id, dst_seq_id, length)
         return True
 

@@ -33,6 +33,7 @@ from lmdock_hf._engine import (
     _dtype,
     _register_attention,
 )
+from lmdock_hf._family import inspect
 from lmdock_hf._offload_kv import CompressedSlotKVCache, HostSlotKVCache, kv_bytes_per_token, kv_group
 from lmdock_hf._offload_layout import TORCH_DTYPES, Checkpoint, Layout, checkpoint_files, ensure_layout, layout_folder
 from lmdock_hf._offload_plan import Plan, plan
@@ -124,6 +125,10 @@ class OffloadStepEngine(HFStepEngine):
         if dtype == "auto":
             dtype = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None) or torch.float16
             dtype = TORCH_DTYPES.get(str(dtype).removeprefix("torch."), torch.float16) if not isinstance(dtype, torch.dtype) else dtype
+        family = inspect(config)
+        if family.windowed or family.recurrent:
+            what = "sliding-window attention layers" if family.windowed else "recurrent (SSM / conv) layers"
+            raise UnsupportedError(f"lmdock-hf offload streams plain causal decoder stacks; {mc.model!r} ({family.name}) has {what}: remove [offload] for this model")
         attn = options.attn_implementation
         if attn == "auto":
             _register_attention()

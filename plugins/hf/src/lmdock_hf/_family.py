@@ -1,0 +1,61 @@
+"""What a model's config asks of lmdock-hf beyond plain causal attention, and what it refuses.
+
+- sliding windows: per layer from ``layer_types`` and ``sliding_window`` (``max_window_layers`` and
+  Qwen 2's ``use_sliding_window`` are folded into ``layer_types`` by the configs that have them);
+  Mistral and Phi-3 window every layer.  lmdock's attention (``lmdock_hf._attention``) applies them,
+  so a windowed model needs it (``attn_implementation = "auto"``).
+- recurrent state (SSM / conv layers of hybrids): kept per slot (``lmdock_hf._states``) through
+  transformers 5's linear-attention ``Cache`` API; older transformers has no such API here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lmdock import UnsupportedError
+
+_ATTENTION_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention"}
+_RECURRENT_MODEL_TYPES = {"mamba", "mamba2", "falcon_mamba", "falcon_h1", "bamba", "jamba", "zamba", "zamba2", "lfm2",
+                          "lfm2_moe", "granitemoehybrid", "qwen3_next", "nemotron_h", "plamo2", "recurrent_gemma"}
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    windowed: bool
+    recurrent: bool
+
+
+def inspect(config: Any) -> Family:
+    cfg = config.get_text_config()
+    types = getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None) or []
+    window = getattr(cfg, "sliding_window", None)
+    if not window:
+        windowed = False
+    elif getattr(cfg, "layer_types", None) is not None:
+        windowed = "sliding_attention" in cfg.layer_types
+    else:
+        windowed = bool(getattr(cfg, "use_sliding_window", True))
+    recurrent = cfg.model_type in _RECURRENT_MODEL_TYPES or any(t not in _ATTENTION_TYPES for t in types)
+    return Family(str(cfg.model_type), windowed, recurrent)
+
+
+def check(family: Family, model: str, attn: str) -> None:
+    """Refuse at load what lmdock-hf would run differently from transformers."""
+    if family.windowed and attn != "auto":
+        raise UnsupportedError(
+            f"{model!r} ({family.name}) has sliding-window attention layers, which lmdock-hf applies in its own "
+            f"attention function; attn_implementation={attn!r} would attend past the window. Use attn_implementation = \"auto\""
+        )
+    if family.recurrent:
+        from transformers.cache_utils import Cache
+
+        if not hasattr(Cache, "update_conv_state"):
+            import transformers
+
+            raise UnsupportedError(
+                f"{model!r} ({family.name}) has recurrent (SSM / conv) layers; lmdock-hf keeps their state per sequence "
+                f"through the linear-attention Cache API of transformers 5, which transformers {transformers.__version__} "
+                "lacks: upgrade transformers (pip install -U transformers)"
+            )
