@@ -11,7 +11,7 @@ from lmdock import BackendError, ModelConfig, UnsupportedError
 from lmdock.backend import read_model_json
 
 from lmdock_onnx import __version__
-from lmdock_onnx._cache import cache_root, export_atomically, export_dir, export_key
+from lmdock_onnx._cache import cache_root, export_atomically, export_dir, export_key, export_log
 
 
 def is_exported(folder: Path) -> bool:
@@ -72,6 +72,11 @@ def _export_to(out: Path, mc: ModelConfig, folder: Path, options: Any, dtype: st
     started = time.perf_counter()
 
     def make(tmp: Path) -> None:
+        with _export.captured(export_log(out)):
+            _make(tmp)
+        export_log(out).unlink(missing_ok=True)  # kept only when the export fails
+
+    def _make(tmp: Path) -> None:
         facts = _export.export(str(folder), tmp, dtype=dtype, opset=options.opset, trust_remote_code=mc.trust_remote_code,
                                revision=mc.revision, tokenizer=mc.tokenizer)
         if quant.get("algo"):
