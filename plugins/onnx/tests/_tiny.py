@@ -23,6 +23,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("mistral", {"sliding_window": WINDOW}),
     "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "qwen3_moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "decoder_sparse_step": 1}),
+    "gpt_oss": ("gpt_oss", {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"], "num_local_experts": 4,
+                            "num_experts_per_tok": 2, "intermediate_size": 64}),
     "gemma2": ("gemma2", {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"],
                           "query_pre_attn_scalar": 32, "tie_word_embeddings": True}),
     "bamba": ("bamba", {**_MAMBA, "attn_layer_indices": [1]}),

@@ -1,6 +1,7 @@
 """lmdock-onnx on tiny random-weight checkpoints of other families, against transformers' own greedy
 ``generate`` (float32, eager): a sliding window (Mistral), mixtures of experts (Mixtral, Qwen3-MoE),
-and a hybrid with state-space layers (Bamba), which is refused."""
+window layers with attention sinks and experts (gpt-oss), and a hybrid with state-space layers
+(Bamba), which is refused."""
 
 from __future__ import annotations
 
@@ -59,8 +60,8 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
-@pytest.mark.parametrize("name", ["mistral", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize(("name", "prefix_caching"), [("mistral", True), ("mistral", False), ("mixtral", True), ("qwen3_moe", True),
+                                                    ("gpt_oss", True)])
 def test_family_matches_transformers(family: Any, story: list[int], name: str, prefix_caching: bool) -> None:
     folder, reference = family(name)
     prompts = _prompts(story)
@@ -79,6 +80,19 @@ def test_a_window_is_counted_in_tokens_not_buffer_positions(family: Any, story: 
     folder, _ = family("mixtral")
     with LLM(str(folder), backend="onnx") as llm:
         assert not llm.engine.engine.contiguous_past  # no window: the zero-copy past over the whole capacity
+
+
+@pytest.mark.parametrize(("config", "window"), [
+    ({"sliding_window": 4096}, True),  # Mistral, Phi-3
+    ({"sliding_window": None}, False),
+    ({"sliding_window": 16, "use_sliding_window": False, "layer_types": ["full_attention"] * 2}, False),  # Qwen2 without
+    ({"sliding_window": 16, "use_sliding_window": True, "layer_types": ["sliding_attention", "full_attention"]}, True),
+    ({"text_config": {"sliding_window": 512, "layer_types": ["sliding_attention", "full_attention"]}}, True),  # Gemma 3
+])
+def test_which_configs_take_the_contiguous_past(config: dict[str, Any], window: bool) -> None:
+    from lmdock_onnx._load import has_window
+
+    assert has_window(config) is window
 
 
 def test_a_recurrent_hybrid_is_refused(family: Any) -> None:
