@@ -8,6 +8,13 @@ logits of the rows the core needs only: the last token of each chunk, or every p
 with ``all_logits``.  ``release`` is ``llama_memory_seq_rm``; ``fork`` is ``llama_memory_seq_cp``,
 which shares the cells rather than copying them.
 
+A recurrent or hybrid model (Mamba, RWKV, Granite 4, Falcon-H1, LFM2...) keeps one state per sequence
+that holds everything up to its last position and cannot be cut back: ``llama_memory_seq_cp`` of the
+first ``length`` positions copies the whole state, and a partial ``llama_memory_seq_rm`` fails.  Such
+a model forks only at the source's full length (what ``n`` > 1, beam search and caching a prompt just
+computed ask for); a shorter fork, a prefix-cache hit inside a cached prompt, returns False, so the
+core computes the prompt itself.  Every memory call that reports failure raises a BackendError.
+
 The batch lives in NumPy arrays that the ``llama_batch`` struct points into, one sequence id per
 token, so filling a step is a few slice assignments.
 """
@@ -15,6 +22,7 @@ token, so filling a step is a few slice assignments.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -35,6 +43,7 @@ _FLASH = {"auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "off": lc.LLAMA_FLASH_ATTN_TYPE
 _FLOAT_FTYPES = {lc.LLAMA_FTYPE_ALL_F32: "F32", lc.LLAMA_FTYPE_MOSTLY_F16: "F16", lc.LLAMA_FTYPE_MOSTLY_BF16: "BF16"}
 _SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 
+log = logging.getLogger("lmdock.llamacpp")
 _backend_ready = False
 _log_callback: Any = None  # referenced for as long as llama.cpp may call it
 
@@ -216,6 +225,9 @@ class LlamaCppStepEngine:
         self.kv_capacity_tokens: int | None = min(n_ctx, build.get("kv_max_tokens") or n_ctx)
         self.n_batch = lc.llama_n_batch(self.ctx)
         self._mem = lc.llama_get_memory(self.ctx)
+        #: one state per sequence that cannot be cut back (see the module's docstring)
+        self.recurrent = bool(lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model))
+        self._told_partial_fork = False
         self._batch = _Batch(self.n_batch)
         self._llama_seq: dict[int, int] = {}  # lmdock seq id -> llama.cpp seq id
         self._length: dict[int, int] = {}  # llama.cpp seq id -> positions held
@@ -316,7 +328,7 @@ class LlamaCppStepEngine:
         if c.start > held:
             raise BackendError(f"sequence {c.seq_id} continues at position {c.start} but holds {held} positions")
         if c.start < held:
-            lc.llama_memory_seq_rm(self._mem, sid, c.start, -1)
+            self._seq_rm(sid, c.start, f"to recompute sequence {c.seq_id} from position {c.start}")
             self._length[sid] = c.start
         return sid
 
@@ -326,8 +338,14 @@ class LlamaCppStepEngine:
                     "cells shared by all sequences); raise kv_cache.max_tokens or n_ctx")
         return f"llama_decode failed with status {rc} on a batch of {tokens} token(s)"
 
+    def _seq_rm(self, sid: int, start: int, why: str) -> None:
+        """``llama_memory_seq_rm`` of positions ``start``.. (-1: all), its failure raised."""
+        if not lc.llama_memory_seq_rm(self._mem, sid, start, -1):
+            hint = " (a recurrent state cannot be cut back)" if self.recurrent and start > 0 else ""
+            raise BackendError(f"llama_memory_seq_rm failed {why}: llama.cpp sequence {sid}, positions {start}..{hint}")
+
     def _drop(self, sid: int) -> None:
-        lc.llama_memory_seq_rm(self._mem, sid, -1, -1)
+        self._seq_rm(sid, -1, "releasing a sequence")
         seq_id = next((k for k, v in self._llama_seq.items() if v == sid), None)
         if seq_id is not None:
             del self._llama_seq[seq_id]
@@ -338,17 +356,24 @@ class LlamaCppStepEngine:
         sid = self._llama_seq.pop(seq_id, None)
         if sid is None:
             return
-        lc.llama_memory_seq_rm(self._mem, sid, -1, -1)
         del self._length[sid]
         self._free.append(sid)
+        self._seq_rm(sid, -1, f"releasing sequence {seq_id}")
 
     def fork(self, src_seq_id: int, dst_seq_id: int, length: int) -> bool:
         src = self._llama_seq.get(src_seq_id)
         if src is None or dst_seq_id in self._llama_seq or not self._free or length > self._length[src]:
             return False
-        dst = self._free.pop()
-        lc.llama_memory_seq_rm(self._mem, dst, -1, -1)
-        lc.llama_memory_seq_cp(self._mem, src, dst, 0, length)
+        if self.recurrent and length != self._length[src]:
+            if not self._told_partial_fork:
+                log.info("%s has recurrent layers: their state cannot be cut back to a shorter prefix, so prefix reuse "
+                         "inside a cached prompt is off for it (prompts are computed in full)", self.path.name)
+                self._told_partial_fork = True
+            return False
+        dst = self._free[-1]
+        self._seq_rm(dst, -1, "clearing a sequence to fork into")
+        self._free.pop()
+        lc.llama_memory_seq_cp(self._mem, src, dst, 0, length)  # returns nothing: no failure to check
         self._llama_seq[dst_seq_id] = dst
         self._length[dst] = length
         return True

@@ -9,9 +9,11 @@ under a temporary name, then renamed), so an interrupted export is never mistake
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +22,11 @@ from lmdock import BackendError, UnsupportedError
 #: Files of a transformers checkpoint that decide what the export holds.
 _MODEL_FILES = (".json", ".safetensors", ".bin", ".model", ".txt", ".py", ".tiktoken")
 _CHUNK = 1 << 20
+
+
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    line = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+    return line if len(line) <= limit else line[:limit] + "..."
 
 
 def cache_root(option: str | None) -> Path:
@@ -52,10 +59,16 @@ def export_dir(root: Path, folder: Path, key: str) -> Path:
     return root / f"{folder.name}-{key}"
 
 
+def export_log(out: Path) -> Path:
+    """Where the export into ``out`` writes what torch and transformers print (kept after a failure)."""
+    return out.with_name(out.name + ".export.log")
+
+
 def export_atomically(out: Path, folder: Path, make: Callable[[Path], None]) -> None:
     """``make(tmp)`` writes the export into ``out``'s ``.partial`` sibling, which then becomes ``out``:
-    the folder appears only once complete.  A failure leaves nothing behind; lmdock's own errors pass
-    as they are, anything else becomes a BackendError naming ``folder``."""
+    the folder appears only once complete.  A failure leaves nothing behind but the export's log;
+    lmdock's own errors pass as they are, anything else becomes a BackendError naming ``folder``, in
+    one line that points at the log for the details."""
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -66,4 +79,8 @@ def export_atomically(out: Path, folder: Path, make: Callable[[Path], None]) -> 
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, (BackendError, UnsupportedError)):
             raise
-        raise BackendError(f"exporting {folder} to ONNX failed: {type(exc).__name__}: {exc}") from exc
+        log = export_log(out)
+        with contextlib.suppress(OSError), log.open("a", encoding="utf-8") as f:
+            traceback.print_exception(exc, file=f)
+        raise BackendError(f"exporting {folder} to ONNX failed: {type(exc).__name__}: {_first_line(exc)} "
+                           f"(the full log: {log})") from None

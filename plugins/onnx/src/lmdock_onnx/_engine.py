@@ -9,6 +9,12 @@ start) + [1] * new``.  Rows at different positions therefore decode in one batch
 returns only the new positions' KV, which the engine writes into the buffers.  Each step runs one
 session call for all single-token (decode) chunks and one per prefill chunk.
 
+A model with sliding-window layers gets a **contiguous** past instead: transformers' window compares
+buffer indices (the query's index after the past with each key's), so a gap would widen every row's
+window by its width.  Each step copies each row's positions, right-aligned, into a past as long as
+the longest row's (``[0] * (longest - start) + [1] * start + [1] * new`` in the mask): buffer distance
+is then token distance, and the window counts tokens.  It costs a copy of the rows' KV per step.
+
 Folders exported elsewhere work when they follow the convention in docs/backends/onnx.md; where
 their ``present`` outputs put the new positions (only the new ones, appended after the past, or at
 each row's own length as ONNX Runtime's GroupQueryAttention does) is found by one probe at load.
@@ -195,7 +201,8 @@ class OnnxStepEngine:
     """An exported causal LM on an ONNX Runtime session."""
 
     def __init__(self, session: Any, layout: Layout, tokenizer: Any, *, eos: tuple[int, ...], max_seq_len: int,
-                 vocab_size: int, generation_config: dict[str, Any], kv_max_tokens: int | None, folder: Path) -> None:
+                 vocab_size: int, generation_config: dict[str, Any], kv_max_tokens: int | None, folder: Path,
+                 contiguous_past: bool = False) -> None:
         #: on an accelerator the CPU waits while ONNX Runtime runs: the core overlaps its output work
         self.overlap_host_work = session.get_providers()[0] != "CPUExecutionProvider"
         self.session = session
@@ -207,6 +214,8 @@ class OnnxStepEngine:
         self.generation_config = generation_config
         self.kv_capacity_tokens = kv_max_tokens
         self.folder = folder
+        #: pass each row's past right-aligned, without a gap (sliding windows; see the module's docstring)
+        self.contiguous_past = contiguous_past and layout.present != "row"
         self.cache = SlotCache(layout, max_seq_len)
         self.session_runs = 0
         self._past_names = [n for pair in zip(layout.past_keys, layout.past_values) for n in pair]
@@ -255,10 +264,12 @@ class OnnxStepEngine:
         io = self._io
         # KV bindings stay in place while the rows, the capacity and the buffers do: a steady decode
         # batch rebinds only its token ids, mask and logits at each step.
-        key = ("fresh", width) if fresh else (lo, rows, width, cache.generation) if contiguous else None
+        key = ("fresh", width) if fresh else (lo, rows, width, cache.generation) if contiguous and not self.contiguous_past else None
         if key is None or key != self._bound:
             if fresh:
                 past = [np.zeros((1, lay.kv_heads, 0, lay.head_dim), dtype=lay.dtype)] * (2 * lay.layers)
+            elif self.contiguous_past:
+                past = self._aligned_past(slots, starts)
             elif contiguous:  # a view of whole slots: contiguous memory, bound without a copy
                 past = [buf[lo : lo + rows] for buf in cache.buffers()]
             else:
@@ -287,7 +298,10 @@ class OnnxStepEngine:
             ids_buf[:] = [list(c.token_ids) for c in chunks]
         seen = int(starts.max()) if shared else past[0].shape[2]  # mask positions before the new tokens
         mask = np.ones((rows, seen + width), dtype=np.int64)
-        mask[:, :seen] = np.arange(seen)[None, :] < starts[:, None]
+        if self.contiguous_past and not fresh:  # right-aligned: each row's past ends where its new tokens start
+            mask[:, :seen] = np.arange(seen)[None, :] >= seen - starts[:, None]
+        else:
+            mask[:, :seen] = np.arange(seen)[None, :] < starts[:, None]
         feed = {"attention_mask": mask}
         if lay.position_ids:
             feed["position_ids"] = starts[:, None] + np.arange(width)[None, :]
@@ -301,6 +315,17 @@ class OnnxStepEngine:
         if not (shared and contiguous):
             self._store(slots, starts, width, present)
         return logits
+
+    def _aligned_past(self, slots: list[int], starts: np.ndarray) -> list[np.ndarray]:
+        """Each row's positions right-aligned in a past as long as the longest row's (a copy)."""
+        lay, longest = self.layout, int(starts.max())
+        past = []
+        for buf in self.cache.buffers():
+            arr = np.zeros((len(slots), lay.kv_heads, longest, lay.head_dim), dtype=lay.dtype)
+            for r, (slot, start) in enumerate(zip(slots, starts)):
+                arr[r, :, longest - start :] = buf[slot, :, :start]
+            past.append(arr)
+        return past
 
     def _store(self, slots: list[int], starts: np.ndarray, width: int, present: list[np.ndarray]) -> None:
         """Write the new positions' KV into the buffers."""

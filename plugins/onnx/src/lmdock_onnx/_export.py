@@ -17,18 +17,76 @@ engine runs rows at different positions in one batch over one fixed-size past.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from lmdock import UnsupportedError
+
 OPSET = 17
+#: config.json keys of layers that keep a recurrent (convolution or state-space) state: a graph with
+#: only KV inputs and outputs cannot carry it (transformers' own cache says "Cannot get conv state")
+_RECURRENT_KEYS = ("mamba_d_state", "ssm_state_size", "conv_L_cache", "linear_conv_kernel_dim", "attn_layer_indices", "state_size")
+_ATTENTION_LAYERS = {"full_attention", "sliding_attention", "attention", "global_attention", "local_attention"}
+
+
+#: the terminal's stderr while :func:`captured` sends file descriptor 2 to the export's log
+_terminal: Any = None
 
 
 def _say(message: str) -> None:
-    sys.stderr.write(f"lmdock-onnx: {message}\n")
+    out = _terminal or sys.stderr
+    out.write(f"lmdock-onnx: {message}\n")
+    out.flush()
+
+
+@contextlib.contextmanager
+def captured(log: Path) -> Iterator[None]:
+    """Send everything written to stderr (file descriptor 2, so torch's C++ log too: on a failure it
+    prints the whole traced graph, thousands of lines) to ``log``; progress lines still reach the
+    terminal.  Process-wide while it lasts, as file descriptor 2 is: an export runs during a load."""
+    global _terminal
+    log.parent.mkdir(parents=True, exist_ok=True)
     sys.stderr.flush()
+    saved = os.dup(2)
+    with log.open("w", encoding="utf-8") as sink:
+        os.dup2(sink.fileno(), 2)
+        _terminal = os.fdopen(os.dup(saved), "w", encoding="utf-8", errors="replace")
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            _terminal.close()
+            _terminal = None
+
+
+def refuse_recurrent(config: dict[str, Any], model: str) -> None:
+    """Refuse a model whose layers keep a convolution or state-space state (Mamba, LFM2 conv, hybrids)."""
+    kinds = sorted({str(k) for k in config.get("layer_types") or []} - _ATTENTION_LAYERS)
+    keys = [k for k in _RECURRENT_KEYS if config.get(k) is not None]
+    if kinds or keys:
+        what = f"layer types {kinds}" if kinds else f"{keys[0]} in its config"
+        raise UnsupportedError(
+            f"{model} ({config.get('model_type', 'unknown family')}) has layers with a recurrent (convolution or state-space) "
+            f"state ({what}); lmdock-onnx's graphs carry attention KV only and cannot export it. Use the hf or vllm backend"
+        )
+
+
+def exportable_experts(lm: Any) -> None:
+    """Mixture-of-experts layers through transformers' "batched_mm" experts: a gather and a batched
+    matmul per layer, which traces (the default "grouped_mm" counts tokens per expert with
+    ``aten::histc``, which ONNX lacks; "eager" loops over the experts a token hit, which a trace
+    would freeze to the example's)."""
+    can = getattr(lm, "_can_set_experts_implementation", None)
+    if can is not None and can():
+        lm.set_experts_implementation("batched_mm")
 
 
 def export(model: str, out: Path, *, dtype: str, opset: int, trust_remote_code: bool, revision: str | None, tokenizer: str | None) -> dict[str, Any]:
@@ -37,14 +95,16 @@ def export(model: str, out: Path, *, dtype: str, opset: int, trust_remote_code: 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     started = time.perf_counter()
-    _say(f"exporting {model} to ONNX (opset {opset}, {dtype}); done once, then cached")
     config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code, revision=revision)
+    text = config.get_text_config()
+    refuse_recurrent(text.to_dict(), model)
+    _say(f"exporting {model} to ONNX (opset {opset}, {dtype}); done once, then cached")
     torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
     lm = AutoModelForCausalLM.from_pretrained(
         model, dtype=torch_dtype, attn_implementation="eager", trust_remote_code=trust_remote_code, revision=revision
     ).eval()
     lm.requires_grad_(False)
-    text = config.get_text_config()
+    exportable_experts(lm)
     layers = int(text.num_hidden_layers)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)

@@ -11,7 +11,7 @@ from lmdock import BackendError, ModelConfig, UnsupportedError
 from lmdock.backend import read_model_json
 
 from lmdock_onnx import __version__
-from lmdock_onnx._cache import cache_root, export_atomically, export_dir, export_key
+from lmdock_onnx._cache import cache_root, export_atomically, export_dir, export_key, export_log
 
 
 def is_exported(folder: Path) -> bool:
@@ -72,6 +72,11 @@ def _export_to(out: Path, mc: ModelConfig, folder: Path, options: Any, dtype: st
     started = time.perf_counter()
 
     def make(tmp: Path) -> None:
+        with _export.captured(export_log(out)):
+            _make(tmp)
+        export_log(out).unlink(missing_ok=True)  # kept only when the export fails
+
+    def _make(tmp: Path) -> None:
         facts = _export.export(str(folder), tmp, dtype=dtype, opset=options.opset, trust_remote_code=mc.trust_remote_code,
                                revision=mc.revision, tokenizer=mc.tokenizer)
         if quant.get("algo"):
@@ -118,10 +123,21 @@ def load(mc: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]
     engine = OnnxStepEngine(
         session, layout, tokenizer, eos=_eos(generation_config, config, genai, tokenizer), max_seq_len=max_seq_len,
         vocab_size=vocab, generation_config=generation_config, kv_max_tokens=build.get("kv_max_tokens"), folder=folder,
+        contiguous_past=has_window(config),
     )
     if not meta.get("present"):
         engine.probe()
     return engine
+
+
+def has_window(config: dict[str, Any]) -> bool:
+    """Whether some layer attends over a sliding window (Mistral, Phi-3, Qwen2 with use_sliding_window,
+    Gemma 2/3's sliding layers...): the engine then passes a contiguous past (see _engine)."""
+    text = config.get("text_config") or config
+    if not text.get("sliding_window") or text.get("use_sliding_window") is False:
+        return False
+    types = text.get("layer_types")
+    return types is None or "sliding_attention" in types
 
 
 def _kv_hints(config: dict[str, Any], decoder: dict[str, Any]) -> dict[str, int | None]:
