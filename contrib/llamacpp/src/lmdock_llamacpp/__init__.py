@@ -91,7 +91,9 @@ SPEC = BackendSpec(
     kind="step",
     plugin_api="1.0",
     supports=frozenset({"generate", "chat", "stream", "sampling", "logit_bias", "logprobs", "prompt_logprobs", "next_token_logprobs",
-                        "beam_search", "quantization", "structured_output", "tools", "moe"}),
+                        "beam_search", "quantization", "structured_output", "tools", "moe",
+                        # forks and prefix reuse only at a recurrent state's whole length (docs/backends/llamacpp.md)
+                        "recurrent_state"}),
     lacks={
         "embed": "lmdock-llamacpp runs causal LMs; llama.cpp's embedding mode is not wired up yet",
         "score": "lmdock-llamacpp runs causal LMs; llama.cpp's reranking mode is not wired up yet",
@@ -101,8 +103,6 @@ SPEC = BackendSpec(
         "sliding_window": "llama.cpp ran Mistral's window as full attention (tokens differ past the window)",
         "attention_sinks": "unverified: no gpt-oss GGUF in the family tests",
         "logit_softcapping": "unverified: Gemma 2 GGUFs were only partly exact in the family tests",
-        "recurrent_state": "a fork copies a recurrent state whole (llama_memory_seq_cp cannot cut it back to the prefix), so "
-                           "prefix reuse gives later requests a wrong state",
     },
     requires=("llama_cpp", "numpy", "jinja2"),
     engine_packages=("llama-cpp-python",),  # its low-level C API (docs/authoring-backends.md)

@@ -76,19 +76,15 @@ SPEC = BackendSpec(
     kind="step",
     plugin_api="1.0",
     supports=frozenset({"generate", "chat", "stream", "sampling", "logit_bias", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search",
-                        "structured_output", "tools", "quantization", "embed", "score", "logit_softcapping"}),
-    # the family tests found these exact although windows are lacked in general (docs/model-families.md)
-    family_support={"sliding_window": frozenset({"gemma2", "gemma3_text"})},
+                        "structured_output", "tools", "quantization", "embed", "score", "logit_softcapping",
+                        # windows by token position (a contiguous past), experts exported as batched matmuls
+                        # (docs/backends/onnx.md); what lmdock-conformance's family tests found: docs/model-families.md
+                        "sliding_window", "attention_sinks", "moe"}),
     lacks={
         "offload": "ONNX Runtime holds the whole graph in one session; no OffloadPolicy",
         "lora": "not wired yet: onnxruntime-genai's Multi-LoRA adapters are not passed through (issue 33)",
-        # model features: what lmdock-conformance's family tests found (docs/model-families.md)
-        "sliding_window": "the exported graph's window for Mistral, Phi-3 and Qwen2 counts KV-buffer positions, not token positions: "
-                          "tokens differ from the first step past the window (Gemma 2 and 3's per-layer windows run exactly)",
-        "attention_sinks": "gpt-oss does not export: its expert router hits aten::histc, which torch.onnx cannot export",
         "recurrent_state": "the export's KV wrapper holds attention caches only: hybrid SSM / conv models fail with "
                            "'Cannot get conv state'",
-        "moe": "mixture-of-experts routing hits aten::histc, which torch.onnx cannot export",
     },
     requires=("onnxruntime", "numpy"),
     # onnxruntime runs the graph (a GPU build instead where installed); transformers loads tokenizers and,
