@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 
 #: what the model writes after a tool result (or with no tools)
@@ -56,12 +55,12 @@ def chains() -> list[list[str]]:
 
 def cache_dir() -> Path:
     key = hashlib.sha256(json.dumps([chains(), TEMPLATE, HIDDEN, 2]).encode()).hexdigest()[:12]
-    root = Path(os.environ.get("LMDOCK_TEST_CACHE", Path(tempfile.gettempdir()) / "lmdock-test-cache"))
+    root = Path(os.environ.get("LMDOCK_TEST_CACHE") or Path.home() / ".cache" / "lmdock-tests")
     return root / f"planted-{key}"
 
 
 def cached() -> Path:
-    """The model's directory, built on first use."""
+    """The model's folder under ``$LMDOCK_TEST_CACHE`` (default ``~/.cache/lmdock-tests``), built on first use."""
     out = cache_dir()
     if not (out / "model.safetensors").exists():
         tmp = out.with_name(out.name + f".{os.getpid()}")
