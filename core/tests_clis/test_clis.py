@@ -2,7 +2,7 @@
 (planted.py): the first turn calls a tool, the CLI runs it and sends the result back, and the answer
 after the result is a fixed sentence.  Each CLI must finish a complete tool turn and exit 0.
 
-Only telemetry, update checks and other nonessential traffic are switched off; HOME and the working
+Only telemetry, update checks, nonessential traffic and Codex's plugin sync are switched off; HOME and the working
 directory are temporary directories, the API keys dummies."""
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ enabled = false
 
 [otel]
 exporter = "none"
+
+[features]
+plugins = false
 """
 
 
