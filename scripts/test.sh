@@ -7,6 +7,7 @@
 #   hf       : lmdock + lmdock-hf[quant] (torch 2.13.0 CPU wheel first, so pip never fetches a CUDA build;
 #              the quant extra is torchao, which QuantConfig needs on lmdock-hf)
 #   serve    : lmdock[serve] + lmdock-hf: `lmdock serve` tested with the openai client and lm-evaluation-harness
+#   clis     : the serve env + Claude Code and Codex from npm (pinned, in $ENVS/clis): core/tests_clis
 #   clients  : lmdock[serve] + lmdock-hf + instructor + langchain-openai: structured output through those
 #              clients (core/tests_clients); its own env because instructor pins jiter<0.15, which takes
 #              openai back to 3.3, and the serve env tests the newest openai
@@ -143,6 +144,16 @@ echo "serve environment installed in $(( $(date +%s) - serve_t0 )) s"
 serve_t0=$(date +%s)
 t "$sv" core/tests_serve core/tests/test_import.py
 echo "serve tests took $(( $(date +%s) - serve_t0 )) s"
+
+echo "== clis: the real Claude Code and Codex CLIs against lmdock serve (serve env; npm packages pinned)"
+# each CLI unmodified (telemetry and update checks off) on a planted tiny model: a complete tool turn
+# and exit 0 (core/tests_clis); npm or a CLI missing fails the run
+clis_t0=$(date +%s)
+rm -rf "$ENVS/clis"
+npm install --prefix "$ENVS/clis" --no-audit --no-fund --loglevel=error @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0
+echo "clis installed in $(( $(date +%s) - clis_t0 )) s"
+LMDOCK_CLAUDE="$ENVS/clis/node_modules/.bin/claude" LMDOCK_CODEX="$ENVS/clis/node_modules/.bin/codex" t "$sv" core/tests_clis
+echo "clis step took $(( $(date +%s) - clis_t0 )) s"
 
 echo "== clients: lmdock[serve] + lmdock-hf + instructor + langchain-openai (structured output through them)"
 clients_t0=$(date +%s)
