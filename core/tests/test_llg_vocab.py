@@ -32,3 +32,13 @@ def test_other_models_and_no_plain_tokens_are_unchanged() -> None:
     assert added_tokens_as_text(unigram) == unigram
     only_special = json.dumps({"model": {"type": "BPE", "vocab": {}}, "added_tokens": [{"id": 0, "content": "<s>", "special": True}]})
     assert added_tokens_as_text(only_special) == only_special
+
+
+def test_a_token_spelled_as_a_vocabulary_entry_stays_an_added_token() -> None:
+    """An added "b" beside the vocabulary's own "b" cannot move in under its id (the vocabulary would
+    lose that id and llguidance would number the tokens after it wrongly): it stays added."""
+    tok = json.loads(_tok({"type": "Metaspace"}))
+    tok["added_tokens"].append({"id": 5, "content": "b", "special": False})
+    out = json.loads(added_tokens_as_text(json.dumps(tok)))
+    assert out["model"]["vocab"]["b"] == 1 and out["model"]["vocab"]["<tool_call>"] == 3
+    assert [a["id"] for a in out["added_tokens"]] == [2, 5]

@@ -46,9 +46,15 @@ def added_tokens_as_text(tokenizer_json: str) -> str:
     if not plain or model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
         return tokenizer_json
     byte_level = _byte_level(tok)
+    moved = set()
     for added in plain:
         text = added["content"]
         spelled = "".join(_byte_chars()[b] for b in text.encode()) if byte_level else text.replace(" ", "\u2581")
-        model["vocab"].setdefault(spelled, added["id"])
-    tok["added_tokens"] = [a for a in tok["added_tokens"] if a.get("special")]
+        # a token spelled as an entry the vocabulary already has (an added "\n" beside the byte token
+        # for it) cannot move in under its own id: the vocabulary would lose that id, and llguidance
+        # would number the tokens after it wrongly; such a token stays where it was
+        if spelled not in model["vocab"]:
+            model["vocab"][spelled] = added["id"]
+            moved.add(added["id"])
+    tok["added_tokens"] = [a for a in tok["added_tokens"] if a["id"] not in moved]
     return json.dumps(tok)
