@@ -38,6 +38,12 @@ def test_revision_picks_the_snapshot_transformers_loads(stories: str, tmp_path: 
     _snapshot(cache, "other", "b" * 40, Path(stories), scale_head=-3.0)
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads the variables once, at its import: an earlier test in this process may
+    # have imported it already, so its constants are set too (transformers reads them at each load)
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     greedy = {"temperature": 0.0, "max_tokens": 40}
     with LLM("lmdock-test/stories", backend="hf") as llm:
         assert llm.generate(PROMPT, greedy)[0].outputs[0].text == GREEDY_40_TEXT
