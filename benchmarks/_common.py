@@ -43,22 +43,23 @@ def models_dir() -> Path:
     return Path(root)
 
 
-def random_llama(seed: int = 0) -> Path:
-    """Build (once, cached on disk) the random-weight Llama and return its folder."""
+def random_llama(seed: int = 0, config: dict[str, Any] | None = None, name: str = "llama-100m") -> Path:
+    """Build (once, cached on disk under ``NAME-seedSEED``) a random-weight Llama of ``config`` (default
+    :data:`LLAMA_100M`) with stories260K's tokenizer files, and return its folder."""
     cache = Path(os.environ.get("LMDOCK_BENCH_CACHE", Path.home() / ".cache" / "lmdock" / "bench"))
-    out = cache / f"llama-100m-seed{seed}"
+    out = cache / f"{name}-seed{seed}"
     if (out / "model.safetensors").is_file():
         return out
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**LLAMA_100M)).eval()
+    model = LlamaForCausalLM(LlamaConfig(**(config or LLAMA_100M))).eval()
     tmp = out.with_suffix(".tmp")
     model.save_pretrained(tmp)
     stories = models_dir() / "stories260K"
-    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(stories / name, tmp / name)
+    for file in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(stories / file, tmp / file)
     tmp.rename(out)
     return out
 

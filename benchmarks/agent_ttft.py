@@ -18,37 +18,14 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import shutil
 import statistics
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 LONG = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
         "vocab_size": 512, "max_position_embeddings": 32768, "rope_theta": 500000.0, "tie_word_embeddings": True,
         "bos_token_id": 1, "eos_token_id": 2}
-
-
-def long_llama(seed: int = 0) -> Path:
-    """Build (once, cached on disk) the random Llama with the long context."""
-    from _common import models_dir
-
-    cache = Path(os.environ.get("LMDOCK_BENCH_CACHE", Path.home() / ".cache" / "lmdock" / "bench"))
-    out = cache / f"llama-ctx32k-seed{seed}"
-    if (out / "model.safetensors").is_file():
-        return out
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**LONG)).eval()
-    tmp = out.with_suffix(".tmp")
-    model.save_pretrained(tmp)
-    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(models_dir() / "stories260K" / name, tmp / name)
-    tmp.rename(out)
-    return out
 
 
 def main() -> None:
@@ -58,11 +35,11 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    from _common import machine, table
+    from _common import machine, random_llama, table
     from lmdock import LLM, SamplingParams
     from transformers import AutoModelForCausalLM
 
-    path = long_llama()
+    path = random_llama(config=LONG, name="llama-ctx32k")
     rng = random.Random(0)
     prompt = [1, *(rng.randrange(3, 512) for _ in range(args.tokens - 1))]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,24 +29,11 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "nu
 
 
 def tiny_llama(seed: int = 0) -> Path:
-    """Build (once, cached on disk) the tiny random Llama with the 151,936-token vocabulary."""
-    from _common import models_dir
+    """Build (once, cached on disk) the tiny random Llama with the 151,936-token vocabulary (prompts are
+    token ids: its stories260K tokenizer is never asked)."""
+    from _common import random_llama
 
-    cache = Path(os.environ.get("LMDOCK_BENCH_CACHE", Path.home() / ".cache" / "lmdock" / "bench"))
-    out = cache / f"llama-tiny-v{VOCAB}-seed{seed}"
-    if (out / "model.safetensors").is_file():
-        return out
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
-    tmp = out.with_suffix(".tmp")
-    model.save_pretrained(tmp)
-    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(models_dir() / "stories260K" / name, tmp / name)  # prompts are token ids: it is never asked
-    tmp.rename(out)
-    return out
+    return random_llama(seed, TINY, f"llama-tiny-v{VOCAB}")
 
 
 def main() -> None:

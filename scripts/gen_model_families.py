@@ -41,9 +41,9 @@ margin is under 1e-3, a tie). **refused**: the load raised `UnsupportedError`; t
 
 Backends without a column have no family run yet, and refuse every feature they have not shown
 exact: lmdock-trtllm (the family tests need an NVIDIA GPU) and lmdock-llamacpp (the zoo holds no
-GGUF conversions yet; it declares `moe` from Mixtral runs and lacks the other four with reasons in
-`lmdock backends`). lmdock-hf's column is added from its run once its window, sink and hybrid-cache
-work lands (issue 38). lmdock-vllm runs the families that between them need every feature (gemma2,
+GGUF conversions yet; it declares `moe` from Mixtral runs and `recurrent_state` from a Bamba GGUF
+checked against transformers in `contrib/llamacpp/tests/test_recurrent.py`, and lacks the other three
+with reasons in `lmdock backends`). lmdock-vllm runs the families that between them need every feature (gemma2,
 gpt_oss, falcon_h1) and the hybrids it refuses: its engine takes minutes to start on CPUs.
 """
 
