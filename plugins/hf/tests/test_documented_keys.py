@@ -44,6 +44,9 @@ def test_revision_picks_the_snapshot_transformers_loads(stories: str, tmp_path: 
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    import transformers.utils.hub as hub  # transformers 4.x loads from its own copy, taken at its import
+
+    monkeypatch.setattr(hub, "TRANSFORMERS_CACHE", str(cache), raising=False)
     greedy = {"temperature": 0.0, "max_tokens": 40}
     with LLM("lmdock-test/stories", backend="hf") as llm:
         assert llm.generate(PROMPT, greedy)[0].outputs[0].text == GREEDY_40_TEXT
