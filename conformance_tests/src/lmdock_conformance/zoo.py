@@ -145,14 +145,22 @@ def _prompts(tokenizer: Path) -> dict[str, Any]:
 
 
 def _model(model_type: str, overrides: dict[str, Any]) -> Any:
+    return random_model(model_type, {**(_GPT2_BASE if model_type == "gpt2" else BASE), **overrides})
+
+
+def random_model(model_type: str, config: dict[str, Any], seed: int = SEED) -> Any:
+    """A float32, eager-attention transformers model of ``model_type`` built from ``config`` with
+    random weights drawn from ``seed``, widened so greedy choices are not near-ties (2-D weights std
+    0.15, embeddings 1.0; conv kernels as initialised).  Plugins' own tests build their tiny models
+    with it too."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(model_type, **{**(_GPT2_BASE if model_type == "gpt2" else BASE), **overrides})
+    config = AutoConfig.for_model(model_type, **config)
     config._attn_implementation = "eager"  # noqa: SLF001 - the reference is eager attention
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(SEED)
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             if param.ndim >= 2 and "conv" not in name:

@@ -37,19 +37,10 @@ STORY = "Once upon a time, there was a little girl named Lily. She loved to play
 
 def build(family: str, target: Path, tokenizer: Path) -> Any:
     """Write the checkpoint to ``target``; return the (float32, eager) transformers model."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from lmdock_conformance.zoo import random_model
 
     model_type, overrides = FAMILIES[family]
-    config = AutoConfig.for_model(model_type, **{**BASE, **overrides})
-    config._attn_implementation = "eager"  # noqa: SLF001 - the reference is eager attention
-    torch.manual_seed(SEED)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if param.ndim >= 2 and "conv" not in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * (1.0 if "embed" in name else 0.15))
+    model = random_model(model_type, {**BASE, **overrides}, SEED)
     model.save_pretrained(target)
     for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
         if (tokenizer / name).is_file():

@@ -1,6 +1,7 @@
 """Build ``bamba-tiny.gguf`` (a tiny random-weight Bamba: one Mamba-2 layer, one attention layer) and
 ``bamba-tiny.json`` (prompts and transformers' own greedy tokens for them), which
-test_recurrent.py reads.  Needs torch, transformers, tokenizers and llama.cpp's converter, from the
+test_recurrent.py reads.  Needs torch, transformers, tokenizers, lmdock-conformance (its zoo's random_model)
+and llama.cpp's converter, from the
 llama-cpp-python sdist lmdock-llamacpp builds against::
 
     pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36   # or take the .tar.gz pip unpacks
@@ -35,18 +36,9 @@ CONFIG = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_h
 
 
 def build(folder: Path, tokenizer: Path) -> object:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from lmdock_conformance.zoo import random_model  # the zoo's widened random weights
 
-    config = AutoConfig.for_model("bamba", **CONFIG)
-    config._attn_implementation = "eager"  # noqa: SLF001 - the reference is eager attention
-    torch.manual_seed(SEED)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if param.ndim >= 2 and "conv" not in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * (1.0 if "embed" in name else 0.15))
+    model = random_model("bamba", CONFIG, SEED)
     model.save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
         if (tokenizer / name).is_file():
