@@ -37,13 +37,16 @@ prefix caching on and off) on the zoo of tiny random-weight checkpoints
 
 **exact**: every family test gave transformers' tokens (a divergence only where the reference's top-2
 margin is under 1e-3, a tie). **refused**: the load raised `UnsupportedError`; the reason is below.
-**not run**: the backend's family tests have not run on this family (see the notes).
+**not run**: the backend's family tests have not run on this family (see the notes). **no GGUF**:
+llama.cpp's own converter (`convert_hf_to_gguf.py`, from the llama-cpp-python sdist lmdock-llamacpp
+builds against; `contrib/llamacpp/tools/zoo_gguf.py`) gives no file for the family that llama.cpp
+loads and that holds what the checkpoint needs; the converter's reason is below.
 
 Backends without a column have no family run yet, and refuse every feature they have not shown
-exact: lmdock-trtllm (the family tests need an NVIDIA GPU) and lmdock-llamacpp (the zoo holds no
-GGUF conversions yet; it declares `moe` from Mixtral runs and `recurrent_state` from a Bamba GGUF
-checked against transformers in `contrib/llamacpp/tests/test_recurrent.py`, and lacks the other three
-with reasons in `lmdock backends`). lmdock-vllm runs the families that between them need every feature (gemma2,
+exact: lmdock-trtllm (the family tests need an NVIDIA GPU). lmdock-llamacpp runs the families the
+converter converts; it declares `recurrent_state` from a Bamba GGUF checked against transformers in
+`contrib/llamacpp/tests/test_recurrent.py` (the zoo's Bamba ropes half of each head, which the
+converter does not write). lmdock-vllm runs the families that between them need every feature (gemma2,
 gpt_oss, falcon_h1) and the hybrids it refuses: its engine takes minutes to start on CPUs.
 """
 
@@ -54,12 +57,12 @@ def load() -> dict[str, dict]:
 
 
 def render(runs: dict[str, dict]) -> str:
-    families = sorted({f for run in runs.values() for f in run["families"]})
+    families = sorted({f for run in runs.values() for f in [*run["families"], *run.get("not_converted", {})]})
     lines = [HEADER, "| family | features | " + " | ".join(runs) + " |", "|---|---|" + "---|" * len(runs)]
     for family in families:
         info = next(r["families"][family] for r in runs.values() if family in r["families"])
         features = ", ".join(info.get("features") or []) or "-"
-        cells = [_cell(run["families"].get(family)) for run in runs.values()]
+        cells = ["no GGUF" if family in run.get("not_converted", {}) else _cell(run["families"].get(family)) for run in runs.values()]
         lines.append(f"| {family} | {features} | " + " | ".join(cells) + " |")
     lines += ["", "## Why each refusal", ""]
     for name, run in runs.items():
@@ -67,6 +70,11 @@ def render(runs: dict[str, dict]) -> str:
         if reasons:
             lines.append(f"**{name}** ({run.get('engine') or run.get('package') or name}):")
             lines += [f"- {r}" for r in reasons]
+            lines.append("")
+    for name, run in runs.items():
+        if run.get("not_converted"):
+            lines.append(f"**{name}**, no GGUF (llama.cpp's converter):")
+            lines += [f"- {f}: {why}" for f, why in sorted(run["not_converted"].items())]
             lines.append("")
     notes = [f"- **{name}**: {run['note']}" for name, run in runs.items() if run.get("note")]
     if notes:
@@ -87,12 +95,17 @@ def compare(run_file: Path) -> list[str]:
     committed = DATA / f"{run['backend']}.json"
     if not committed.is_file():
         return [f"no {committed.relative_to(ROOT)}: copy {run_file} there and run python scripts/gen_model_families.py"]
-    want = json.loads(committed.read_text())["families"]
-    got = run["families"]
+    want = _outcomes(json.loads(committed.read_text()))
+    got = _outcomes(run)
     diffs = [f"{f}: committed {want[f]['outcome'] if f in want else 'not run'}, this run {got[f]['outcome'] if f in got else 'not run'}"
              f"{(' (' + got[f]['reason'] + ')') if f in got and got[f]['reason'] else ''}"
              for f in sorted(want.keys() | got.keys()) if (want.get(f) or {}).get("outcome") != (got.get(f) or {}).get("outcome")]
     return diffs
+
+
+def _outcomes(run: dict) -> dict[str, dict]:
+    """A run's families, those without a checkpoint in the backend's format included (outcome "no GGUF")."""
+    return {**{f: {"outcome": "no GGUF", "reason": why} for f, why in run.get("not_converted", {}).items()}, **run["families"]}
 
 
 def main(argv: list[str]) -> int:

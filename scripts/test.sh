@@ -294,6 +294,21 @@ CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" pipi "$lcpp" ./core ./contrib/llam
 echo "llamacpp environment installed in $(( $(date +%s) - llamacpp_t0 )) s"
 t "$lcpp" contrib/llamacpp/tests
 t "$lcpp" --pyargs lmdock_conformance --lmdock-backend=llamacpp --lmdock-model="$LMDOCK_MODELS/stories260K-gguf/stories260K.gguf" -rs
+# families: the zoo converted by llama.cpp's own converter, from the sdist of the llama-cpp-python installed
+# (run in the hf env: it needs torch), kept beside the zoo; each family the converter refuses, with its reason
+gguf_t0=$(date +%s)
+LCPP_V=$("$lcpp" -c 'from importlib.metadata import version; print(version("llama-cpp-python"))')
+ZOO_GGUF="$ZOO-gguf-$LCPP_V-$(sha256sum contrib/llamacpp/tools/zoo_gguf.py | cut -c1-12)"
+if [ ! -f "$ZOO_GGUF/gguf.json" ]; then
+  SDIST="$ENVS/llama-cpp-python-sdist"
+  [ -f "$SDIST/llama_cpp_python-$LCPP_V/vendor/llama.cpp/convert_hf_to_gguf.py" ] || {
+    "$lcpp" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LCPP_V" -d "$SDIST"
+    tar xzf "$SDIST/llama_cpp_python-$LCPP_V.tar.gz" -C "$SDIST"; }
+  "$lcpp" contrib/llamacpp/tools/zoo_gguf.py "$ZOO" "$ZOO_GGUF" --python "$hf" \
+    --converter "$SDIST/llama_cpp_python-$LCPP_V/vendor/llama.cpp/convert_hf_to_gguf.py"
+fi
+echo "zoo GGUFs ready in $(( $(date +%s) - gguf_t0 )) s"
+families "$lcpp" llamacpp "$LMDOCK_MODELS/stories260K-gguf/stories260K.gguf" --lmdock-zoo-gguf="$ZOO_GGUF"
 
 # One closing line for all runs (pytest prints one per run); it must stay the last line printed.
 echo "test.sh finished in $(( $(date +%s) - started )) s"

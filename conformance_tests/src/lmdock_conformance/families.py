@@ -55,6 +55,8 @@ class Outcomes:
         self.failed: dict[str, str] = {}
         self.passed: set[str] = set()
         self.features: dict[str, dict[str, Any]] = {}
+        #: families with no checkpoint in the backend's format (a GGUF the converter would not write), with the reason
+        self.not_converted: dict[str, str] = {}
 
     def note(self, report: pytest.TestReport) -> None:
         match = re.search(r"test_families\.py::(\w+)\[([\w-]+)\]$", report.nodeid)
@@ -78,6 +80,8 @@ class Outcomes:
         seen = sorted(self.refused.keys() | self.failed.keys() | self.passed)
         data = {"backend": spec.name, "package": spec.package, "engine": spec.engine_info(),
                 "families": {f: {**self.outcome(f), **self.features.get(f, {})} for f in seen}}
+        if self.not_converted:
+            data["not_converted"] = dict(sorted(self.not_converted.items()))
         Path(target).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 

@@ -30,6 +30,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--lmdock-zoo-families", default=None, help="comma-separated: only these zoo families (default: every one built)")
     group.addoption("--lmdock-zoo-probe", action="store_true",
                     help="load every family even where the spec refuses it, to find which the engine runs exactly (for writing the declarations)")
+    group.addoption("--lmdock-zoo-gguf", default=None,
+                    help="the zoo's GGUF conversions for a backend that loads GGUF files: DIR/<family>.gguf, and DIR/gguf.json naming "
+                         "the families not converted, with the reason (contrib/llamacpp/tools/zoo_gguf.py writes both)")
     group.addoption("--lmdock-zoo-outcomes", default=None, help="write each family's outcome (exact / refused / diverged) to this JSON file")
     group.addoption("--lmdock-sampler", choices=("backend", "reference"), default="backend",
                     help="who samples: the backend's choice (its native sampler, where it has one; default), or the core's "

@@ -8,6 +8,7 @@ sequences run past the zoo's 16-token windows: 40-token prompts and 24 new token
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,10 +42,22 @@ def family_model(lmdock_setup: Any, pytestconfig: pytest.Config, zoo_family: str
     folder = Path(pytestconfig.getoption("--lmdock-zoo")) / zoo_family
     if "hf" in lmdock_setup.spec.model_formats:
         return str(folder)
-    ggufs = sorted(folder.glob("*.gguf"))
+    converted = pytestconfig.getoption("--lmdock-zoo-gguf")
+    ggufs = sorted(folder.glob("*.gguf")) if converted is None else [p for p in [Path(converted) / f"{zoo_family}.gguf"] if p.is_file()]
     if not ggufs:
-        pytest.skip(f"backend {lmdock_setup.backend!r} loads GGUF files and the zoo holds none for {zoo_family}")
+        why = _not_converted(converted, zoo_family)
+        OUTCOMES.not_converted[zoo_family] = why
+        pytest.skip(f"backend {lmdock_setup.backend!r} loads GGUF files and the zoo holds none for {zoo_family}: {why}")
     return str(ggufs[0])
+
+
+def _not_converted(converted: str | None, family: str) -> str:
+    """Why ``--lmdock-zoo-gguf``'s folder holds no GGUF for ``family`` (its gguf.json says)."""
+    if converted is None:
+        return "no --lmdock-zoo-gguf folder given (contrib/llamacpp/tools/zoo_gguf.py converts the zoo)"
+    index = Path(converted) / "gguf.json"
+    reasons = json.loads(index.read_text()).get("not_converted", {}) if index.is_file() else {}
+    return reasons.get(family) or f"{converted} holds no {family}.gguf and its gguf.json gives no reason: convert the zoo again"
 
 
 @pytest.fixture(scope="module")
