@@ -95,15 +95,18 @@ SPEC = BackendSpec(
                         # forks and prefix reuse only at a recurrent state's whole length (docs/backends/llamacpp.md)
                         "recurrent_state"}),
     # families the family tests found exact although their feature is lacked in general (docs/model-families.md)
-    family_support={"sliding_window": frozenset({"gemma2", "gemma3_text"}), "logit_softcapping": frozenset({"gemma2"})},
+    family_support={"sliding_window": frozenset({"gemma2"}), "logit_softcapping": frozenset({"gemma2"})},
+    refuses_families={"gemma3_text": "the family tests' Gemma 3 GGUF (llama.cpp's own conversion) gives logits about 1/8.5 of "
+                                     "transformers' (log-probabilities off by up to 5.9 where its greedy tokens agree)"},
     lacks={
         "embed": "lmdock-llamacpp runs causal LMs; llama.cpp's embedding mode is not wired up yet",
         "score": "lmdock-llamacpp runs causal LMs; llama.cpp's reranking mode is not wired up yet",
         "offload": "no OffloadPolicy: llama.cpp maps the file (use_mmap) and places layers with n_gpu_layers",
         "lora": "not wired yet: llama-cpp-python takes adapters per model (lora_path), not per request (issue 33)",
         # model features: what lmdock-conformance's family tests found (docs/model-families.md)
-        "sliding_window": "unverified beyond Gemma 2 and Gemma 3 (exact in the family tests): llama.cpp's converter drops "
-                          "Mistral's and Qwen2's windows (their GGUFs hold none) and Phi-3's GGUF did not load",
+        "sliding_window": "unverified beyond Gemma 2 (exact in the family tests; its logits follow transformers' windowed "
+                          "ones, not full attention): llama.cpp's converter drops Mistral's and Qwen2's windows (their GGUFs hold none), "
+                          "Phi-3's GGUF did not load",
         "attention_sinks": "unverified: llama.cpp's converter did not convert the family tests' gpt-oss (its tokenizer check)",
         "logit_softcapping": "unverified beyond Gemma 2 (exact in the family tests)",
     },

@@ -38,20 +38,26 @@ SPEC = BackendSpec(
                         "quantization", "lora", "moe"}),
     # families the family tests found exact although their feature is lacked in general, and families
     # refused whatever they need (docs/model-families.md)
-    family_support={"recurrent_state": frozenset({"falcon_h1", "lfm2"})},
-    refuses_families={"gpt2": "mlx-lm 0.32 cannot load transformers 5's gpt2 checkpoints (their weight names differ from its port's)"},
+    family_support={"recurrent_state": frozenset({"falcon_h1", "lfm2", "qwen3_next"}),
+                    # mlx-lm's Gemma 3 keeps its sliding layers in RotatingKVCaches of the window; lmdock-mlx passes it
+                    # the layer pattern (layer_types -> sliding_window_pattern, _engine.KEY_VALUES)
+                    "sliding_window": frozenset({"gemma3_text"})},
+    refuses_families={"gpt2": "mlx-lm 0.32 cannot load transformers 5's gpt2 checkpoints (their weight names differ from its port's)",
+                      "gpt_oss": "mlx-lm 0.32's gpt-oss port reads the original checkpoint's expert weights (gate_up_proj_blocks, "
+                                 "or gate_proj.weight); transformers 5 writes experts.gate_up_proj / down_proj tensors in another "
+                                 "layout, which it cannot load"},
     lacks={
         "embed": "mlx-lm serves causal LMs",
         "score": "mlx-lm serves causal LMs",
         "offload": "MLX keeps weights in unified memory",
         # model features: what lmdock-conformance's family tests found (docs/model-families.md)
-        "sliding_window": "mlx-lm attends past Mistral's, Phi-3's and Qwen2's windows (tokens differ past the window), and its "
-                          "Gemma 3 reads the window pattern from sliding_window_pattern, not layer_types (a step fails)",
-        "attention_sinks": "unverified: mlx-lm 0.32 reads gpt-oss's YaRN rotary settings only from rope_scaling, which transformers 5 "
-                           "configs do not write",
-        "logit_softcapping": "a batch of Gemma 2 sequences fails in mlx-lm's attention (its merged cache cannot be reshaped)",
-        "recurrent_state": "mlx-lm 0.32 has no bamba, and reads granitemoehybrid's and qwen3_next's layer pattern from keys "
-                           "transformers 5 no longer writes (the load fails); falcon_h1 and lfm2 run exactly",
+        "sliding_window": "mlx-lm 0.32 attends past Mistral's, Phi-3's, Qwen2's and Gemma 2's windows (its ports of them have "
+                          "no window: tokens differ past it); Gemma 3's it keeps",
+        "attention_sinks": "unverified: mlx-lm 0.32 cannot load transformers 5's gpt-oss checkpoints (their expert weights)",
+        "logit_softcapping": "only Gemma 2 has it in the family tests, and mlx-lm's Gemma 2 has no sliding window",
+        "recurrent_state": "mlx-lm 0.32 has no bamba, and its granitemoehybrid reads layer types transformers 5 no longer "
+                           "writes (the load fails; translated, its tokens differ from the first); falcon_h1, lfm2 and qwen3_next "
+                           "run exactly",
     },
     requires=("mlx", "mlx_lm"),
     engine_packages=("mlx", "mlx-lm"),  # mlx-lm's caches and model calls (docs/authoring-backends.md)

@@ -47,29 +47,86 @@ KEY_NAMES: dict[str, dict[str, str]] = {
 }
 
 
+def _full_every(config: dict[str, Any]) -> int | None:
+    """The period p of transformers 5's ``layer_types`` where every p-th layer is full attention and
+    the others are not (Gemma 3's ``sliding_window_pattern``, Qwen3-Next's
+    ``full_attention_interval``); an error where the layer types follow no such pattern."""
+    types = config.get("layer_types")
+    if not isinstance(types, list) or not types:
+        return None
+    period = next((i + 1 for i, t in enumerate(types) if t == "full_attention"), len(types) + 1)
+    if period <= len(types) and all((t == "full_attention") == ((i + 1) % period == 0) for i, t in enumerate(types)):
+        return period
+    raise UnsupportedError(f"layer_types {types}: mlx-lm's {config.get('model_type')} makes every n-th layer full attention "
+                           "and cannot run this arrangement; use backend = 'hf'")
+
+
+#: Keys mlx-lm 0.32 reads whose value transformers 5 writes in another form, by model_type: {mlx-lm's
+#: key: how to compute it from the config (None: nothing to change)}.  Without them Gemma 3 and
+#: Qwen3-Next take mlx-lm's default layer pattern whatever the checkpoint's layers are.
+KEY_VALUES: dict[str, dict[str, Any]] = {
+    "gemma3_text": {"sliding_window_pattern": _full_every},
+    "qwen3_next": {"full_attention_interval": _full_every},
+}
+
+
 def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
-    """What mlx-lm must be told beside config.json: the rotary keys spelled the old way and the
-    renamed keys of :data:`KEY_NAMES`."""
+    """What mlx-lm must be told beside config.json: the rotary keys spelled the old way, the renamed
+    keys of :data:`KEY_NAMES` and the translated values of :data:`KEY_VALUES`."""
     out = rope_overrides(config)
-    for old, new in KEY_NAMES.get(config.get("model_type", ""), {}).items():
+    family = config.get("model_type", "")
+    for old, new in KEY_NAMES.get(family, {}).items():
         if old not in config and new in config:
             out[old] = config[new]
+    for key, compute in KEY_VALUES.get(family, {}).items():
+        if (value := compute(config)) is not None and value != config.get(key):
+            out[key] = value
     return out
 
 
 def rope_overrides(config: dict[str, Any]) -> dict[str, Any]:
-    """The config keys mlx-lm needs spelled the old way (from transformers 5's rope_parameters)."""
+    """The config keys mlx-lm needs spelled the old way (from transformers 5's rope_parameters): a
+    rotary base, and for gpt-oss its YaRN scaling as rope_scaling; Gemma 3's per-layer-type
+    parameters as its global base and local base (``rope_local_base_freq``)."""
     rope = config.get("rope_parameters") or {}
+    if isinstance(rope.get("full_attention"), dict):  # {layer type: parameters} (Gemma 3)
+        return _per_layer_type_rope(config, rope)
     out: dict[str, Any] = {}
-    if "rope_theta" not in config and "rope_theta" in rope:
-        out["rope_theta"] = rope["rope_theta"]
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if key not in config and key in rope:
+            out[key] = rope[key]
     kind = rope.get("rope_type", "default")
     if kind != "default" and "rope_scaling" not in config:
+        if config.get("model_type") == "gpt_oss" and kind == "yarn":
+            out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+            return out
         raise UnsupportedError(
             f"this config has rope_parameters with rope_type {kind!r} and no rope_scaling, which mlx-lm reads; "
             "add a rope_scaling entry to config.json"
         )
     return out
+
+
+def _per_layer_type_rope(config: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    full, local = rope["full_attention"], rope.get("sliding_attention") or {}
+    if config.get("model_type") != "gemma3_text" or local.get("rope_type", "default") != "default":
+        raise UnsupportedError(f"rope_parameters per layer type {sorted(rope)}: lmdock-mlx passes them to mlx-lm for Gemma 3 "
+                               "only, with default (unscaled) rotary positions on its sliding layers; use backend = 'hf'")
+    out: dict[str, Any] = {}
+    if "rope_theta" not in config and "rope_theta" in full:
+        out["rope_theta"] = full["rope_theta"]
+    if "rope_local_base_freq" not in config and "rope_theta" in local:
+        out["rope_local_base_freq"] = local["rope_theta"]
+    if full.get("rope_type", "default") != "default" and "rope_scaling" not in config:
+        out["rope_scaling"] = {k: v for k, v in full.items() if k != "rope_theta"}  # mlx-lm scales the global layers only
+    return out
+
+
+#: Families whose mlx-lm attention cannot take a BatchKVCache's mask: Gemma 2 reshapes its queries to
+#: five dimensions for grouped-query attention, against which the cache's (batch, 1, 1, length) mask
+#: broadcasts into the wrong shape (a step of several sequences fails in a reshape).  Their sequences
+#: decode each in its own cache.
+NO_DECODE_GROUP = frozenset({"gemma2"})
 
 
 class _Ahead:
@@ -123,6 +180,8 @@ class MlxStepEngine:
         self.lora_limits: tuple[int | None, int | None] = (None, None)  # build.max_loras, build.max_lora_rank
         #: the adapter of each sequence that runs under one (the decode group's rows are forwarded by seq id)
         self.loras: dict[int, LoRARequest] = {}
+        #: whether sequences decoding together share one BatchKVCache (see NO_DECODE_GROUP)
+        self.decode_group = True
 
     @classmethod
     def load(cls, mc: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> MlxStepEngine:
@@ -158,6 +217,7 @@ class MlxStepEngine:
         vocab = int(config.get("vocab_size") or len(tokenizer))
         engine = cls(model, tokenizer, eos, max_seq_len, vocab, read_model_json(mc.model, "generation_config.json"), build.get("kv_max_tokens"))
         engine.lora_limits = (build.get("max_loras"), build.get("max_lora_rank"))
+        engine.decode_group = config.get("model_type") not in NO_DECODE_GROUP
         return engine
 
     # -- the step-engine contract ---------------------------------------------------------------
@@ -185,7 +245,7 @@ class MlxStepEngine:
         if ahead is not None and not ahead.matches([chunks[i] for i in decode]):
             ahead.undo()
             ahead = None
-        self._regroup([chunks[i].seq_id for i in decode] if len(decode) > 1 else [])
+        self._regroup([chunks[i].seq_id for i in decode] if len(decode) > 1 and self.decode_group else [])
         group_logits = None
         if self.group_ids:
             group_logits = ahead.logits if ahead is not None else self._decode_group({chunks[i].seq_id: chunks[i].token_ids[0] for i in decode})
