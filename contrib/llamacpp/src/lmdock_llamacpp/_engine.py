@@ -251,6 +251,10 @@ class LlamaCppStepEngine:
             n_ubatch=options.n_ubatch or min(n_batch, 512),
             n_seq_max=self.n_seq_max,
             kv_unified=True,  # one KV pool for every sequence (see the module's docstring)
+            # sliding-window layers keep every cell, not just the window: a fork or a prefix-cache hit
+            # inside a longer prompt needs the cells before the window (llama.cpp's default; said here
+            # because a pruned cache would make such forks silently wrong)
+            swa_full=True,
             n_threads=threads,
             n_threads_batch=options.n_threads_batch or threads,
             type_k=_GGML_TYPES[type_k],
