@@ -45,6 +45,9 @@ class HFStepEngine:
         #: sliding layers whose slots hold only their window (lmdock's attention applies the window)
         self.kv_windows = windows(model.config) if model.config._attn_implementation == ATTENTION else {}
         self.cache = SlotKVCache(device, self.dtype, max_seq_len, self.kv_windows)
+        #: every layer a ring (Mistral, Phi-3): no layer reads the engine's mask, so none is built
+        layers = getattr(model.config.get_text_config(), "num_hidden_layers", -1)
+        self.rings_only = len(self.kv_windows) == layers and not inspect(model.config).recurrent
         self.cache_kw = cache_keyword(model)
         self.forward_calls = 0
         #: LoRA adapters, made on the first request that names one (``prepare_lora``)
@@ -164,6 +167,8 @@ class HFStepEngine:
                 return None  # every row sees all its keys
             if width > 1 and starts == [0] * len(starts):
                 return None  # plain causal
+            if self.rings_only:
+                return None
         return row_mask(pos, kv_len, self.dtype)
 
     @torch.inference_mode()
