@@ -6,7 +6,9 @@ with a cached one and computes only the rest, under the same LoRA adapter only (
 see, so the scheduler plans within what they leave, and the cache gives way first: it is dropped when
 it would hold more than half the capacity, and a scheduler that would otherwise preempt or fail a
 sequence for want of KV room first asks :meth:`PromptCaching.reclaim` for it (least recently used
-prompts go first).  The first time the engine cannot fork, caching is off for good.
+prompts go first).  The first time the engine cannot fork a computed prompt into the cache, caching
+is off for good; an engine that forks a prompt whole but refuses some shorter prefix of it (lmdock-hf's
+sliding-window layers hold only their window) makes that lookup a miss.
 
 An engine whose state cannot be cut back (``fork_truncates = False``: a recurrent / SSM state covers
 every position it has seen) reuses a cached prompt only where the new prompt extends all of it: the
@@ -68,12 +70,10 @@ class PromptCaching:
         length = min(length, seq.prompt_len - 1)
         if src is None or length <= 0:
             return
-        if self.kv.fork(src, seq, length):
+        if self.kv.fork(src, seq, length):  # refused: a miss (store() turns caching off for an engine that cannot fork)
             self.cache.hit_tokens += length
             if seq.req is not None:
                 seq.req.cached_tokens = length
-        else:
-            self.drop(disable=True)
 
     def wants(self, seq: Seq) -> bool:
         """The sequence has just computed a prompt not cached yet."""

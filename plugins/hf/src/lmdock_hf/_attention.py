@@ -12,7 +12,10 @@ keywords transformers passes the attention function:
 - ``softcap`` (Gemma 2's ``attn_logit_softcapping``): scores go through ``tanh`` before the mask;
 - ``s_aux`` (gpt-oss's attention sinks): a per-head logit that joins the softmax and is dropped.
 
-The row positions come from :func:`positions`, which the engine enters around each forward.
+The row positions come from :func:`positions`, which the engine enters around each forward.  A
+sliding layer whose slot cache holds only its window (a ring, ``lmdock_hf._window``) reads keys that
+are not at positions ``0 .. kv_len - 1``: the cache's ``update``, called by the layer just before its
+attention, hands over those keys' mask (:func:`layer_mask`), and the engine's mask is not used there.
 """
 
 from __future__ import annotations
@@ -20,9 +23,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from lmdock import BackendError
+
+if TYPE_CHECKING:
+    from lmdock_hf._window import Keys
 
 ATTENTION = "lmdock_attention"  # no "sdpa" in the name: transformers would then refuse it for models without SDPA (Gemma 2, gpt-oss)
 
@@ -32,6 +39,7 @@ class _Forward(threading.local):
 
     pos: torch.Tensor | None = None  # [rows, width] the query positions
     masks: dict[int, torch.Tensor] | None = None  # window (0: none) -> additive mask, built once per forward
+    ring: Keys | None = None  # the keys of the ring layer whose attention runs next (set by its cache update)
 
 
 _now = _Forward()
@@ -45,6 +53,26 @@ def positions(pos: torch.Tensor) -> Iterator[None]:
         yield
     finally:
         _now.pos, _now.masks = None, None
+
+
+def layer_mask(keys: Keys | None) -> None:
+    """The slot cache's ``update`` for the layer whose attention runs next: its ring keys, or None
+    (a full layer: the engine's mask)."""
+    _now.ring = keys
+
+
+def _ring_mask(query: torch.Tensor, sliding_window: int | None) -> tuple[bool, torch.Tensor | None]:
+    """(True, mask) where the layer's keys are a ring's; its window must be the one the layer applies."""
+    ring, _now.ring = _now.ring, None
+    if ring is None:
+        return False, None
+    if ring.window != (sliding_window or 0):
+        raise BackendError(
+            f"lmdock-hf keeps this layer's KV as a sliding window of {ring.window} positions (from the model config's "
+            f"layer_types / sliding_window), but the layer attends with sliding_window={sliding_window}: the model's "
+            "layers do not follow its config; please report the model to lmdock"
+        )
+    return True, ring.mask(query.dtype)
 
 
 def row_mask(pos: torch.Tensor, kv_len: int, dtype: torch.dtype, window: int = 0) -> torch.Tensor:
@@ -94,7 +122,9 @@ def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.
     pass a mask, and this is 4x faster in attention on CPU.  ``None`` means causal from position 0
     (a prefill chunk that starts the sequence) or no masking at all (one query per row).
     """
-    mask = _mask_for(query, key, attention_mask, sliding_window or 0)
+    ringed, mask = _ring_mask(query, sliding_window)
+    if not ringed:
+        mask = _mask_for(query, key, attention_mask, sliding_window or 0)
     if softcap or s_aux is not None:
         return _eager(query, key, value, _causal(query, key, mask), scaling, softcap, s_aux), None
     causal = mask is None and query.shape[2] > 1

@@ -2,7 +2,9 @@
 
 KV state lives in a slot cache: per layer, one tensor ``[slots, kv_heads, length, head_dim]``, one
 slot per live sequence, kept compact (a released slot is refilled by the last one), so a decode
-batch of every running sequence is a zero-copy view of the first slots.
+batch of every running sequence is a zero-copy view of the first slots.  A sliding-window layer's
+``length`` is its window, a ring of the last positions (``lmdock_hf._window``); a full layer's is
+the longest context.
 
 For one forward the model gets a :class:`BatchView` as its cache.  It is a subclass of
 ``transformers.cache_utils.Cache``, the base class transformers exports for caches of one's own, and
@@ -26,6 +28,8 @@ import torch
 from lmdock.backend import SlotTable
 from transformers.cache_utils import Cache
 
+from lmdock_hf import _window
+from lmdock_hf._attention import layer_mask
 from lmdock_hf._states import Key, SlotStates
 
 
@@ -36,15 +40,18 @@ def cache_keyword(module: torch.nn.Module) -> str:
 
 
 class SlotKVCache(SlotTable):
-    """Per layer, K and V as ``[slots, kv_heads, length, head_dim]``, grown by doubling."""
+    """Per layer, K and V as ``[slots, kv_heads, length, head_dim]``, grown by doubling; ``windows``
+    (layer -> window, ``lmdock_hf._family.windows``): those layers' ``length`` stops at the window."""
 
     #: stored rows are codes that :meth:`encode` / :meth:`decode` translate (the 4-bit cache); the
     #: plain cache stores the model's tensors as they are and skips both calls
     packed = False
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, max_len: int) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype, max_len: int, windows: dict[int, int] | None = None) -> None:
         super().__init__()
         self.device, self.dtype, self.max_len = device, dtype, max_len
+        #: sliding layers kept as rings of their window (``lmdock_hf._window``): layer -> window
+        self.windows = dict(windows or {})
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.cap_slots = 0
@@ -64,9 +71,17 @@ class SlotKVCache(SlotTable):
         if self.states and new_slots != self.cap_slots:
             self.states.resize(new_slots, len(self))
         for layer in range(len(self.k)):
-            self.k[layer] = self._grown(self.k[layer], new_slots, new_len)
-            self.v[layer] = self._grown(self.v[layer], new_slots, new_len)
+            self.k[layer] = self._grown(self.k[layer], new_slots, self.layer_len(layer, new_len))
+            self.v[layer] = self._grown(self.v[layer], new_slots, self.layer_len(layer, new_len))
         self.cap_slots, self.cap_len = new_slots, new_len
+
+    def layer_len(self, layer: int, cap_len: int | None = None) -> int:
+        """Positions a slot holds in ``layer``: the context's, or at most the window for a sliding
+        layer.  A ring below its window holds every position so far at its own index (no position
+        has wrapped yet), so growing it to the window keeps it valid."""
+        cap_len = self.cap_len if cap_len is None else cap_len
+        window = self.windows.get(layer)
+        return min(cap_len, window) if window else cap_len
 
     def _more_slots(self, have: int, need: int) -> int:
         return max(4, have * 2)
@@ -81,7 +96,7 @@ class SlotKVCache(SlotTable):
 
     def layer(self, idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         while len(self.k) <= idx:  # allocated at the first write: heads and dims come from the model
-            shape = (self.cap_slots, like.shape[1], self.cap_len, like.shape[3])
+            shape = (self.cap_slots, like.shape[1], self.layer_len(len(self.k)), like.shape[3])
             self.k.append(self._zeros(shape, like.dtype, like.device))
             self.v.append(self._zeros(shape, like.dtype, like.device))
         return self.k[idx], self.v[idx]
@@ -120,16 +135,29 @@ class SlotKVCache(SlotTable):
         return out
 
     def copy(self, src: int, dst: int, length: int) -> None:
+        """``dst`` gets ``src``'s first ``length`` positions (a ring whole: see :meth:`holds`)."""
         s, d = self.slot_of[src], self.slot(dst)
         self.reserve(len(self), length)
-        for k, v in zip(self.k, self.v):
-            k[d, :, :length] = k[s, :, :length]
-            v[d, :, :length] = v[s, :, :length]
+        for layer, (k, v) in enumerate(zip(self.k, self.v)):
+            n = k.shape[2] if layer in self.windows else length
+            k[d, :, :n] = k[s, :, :n]
+            v[d, :, :n] = v[s, :, :n]
         self.states.copy(s, d)
+        self.states.lengths[d] = length
 
     def state_length(self, seq_id: int) -> int:
-        """The positions the sequence's recurrent state covers (it cannot be cut back: ``_states``)."""
+        """The positions the sequence has written: where its recurrent state and rings stand (neither
+        can be cut back to fewer: ``_states``, ``_window``)."""
         return self.states.lengths.get(self.slot_of[seq_id], 0)
+
+    def holds(self, seq_id: int, length: int) -> bool:
+        """Every sliding layer of the sequence still holds the window a copy at ``length`` needs."""
+        src = self.state_length(seq_id)
+        return all(_window.holds(src, length, w, w) for w in set(self.windows.values()))
+
+    def nbytes(self) -> int:
+        """Bytes of KV (and recurrent) state allocated, every slot (what the slots take in memory)."""
+        return sum(t.nbytes for t in self.k + self.v) + sum(t.nbytes for t in self.states.t.values())
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """The model's ``[..., head_dim]`` keys or values as stored rows (only where ``packed``)."""
@@ -145,7 +173,8 @@ class BatchView(Cache):
 
     Row ``r`` of the forward is slot ``slots[r]``, its new tokens at positions ``starts[r] ..
     starts[r] + width - 1``; attention reads each row's keys up to ``kv_len`` (the engine's mask
-    hides what a row may not see).
+    hides what a row may not see), or a sliding layer's ring (``lmdock_hf._window``) with the mask
+    of its entries' token positions, which ``update`` hands to the layer's attention call.
     """
 
     # a view lives for one forward over Python-side slot bookkeeping: nothing here can be compiled
@@ -165,6 +194,7 @@ class BatchView(Cache):
         #: recurrent state the rows read (a decode row continues its state; a prefill from 0 starts one)
         self.prior = any(starts)
         self._gathered: dict[Key, torch.Tensor] = {}  # state rows copied out of non-contiguous slots
+        self._ring_keys: dict[tuple[int, int], _window.Keys] = {}  # (window, ring length) -> its layers' keys
         states = cache.states
         for s, a in zip(slots, starts):
             states.lengths[s] = a + width
@@ -189,6 +219,10 @@ class BatchView(Cache):
 
     def _write(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         K, V = self.cache.layer(layer_idx, key)
+        window = self.cache.windows.get(layer_idx)
+        if window:
+            return self._write_ring(K, V, key, value, window)
+        layer_mask(None)  # a full layer: the engine's mask
         if self.width == 1:
             K[self.slot_t, :, self.start_t] = key[:, :, 0]
             V[self.slot_t, :, self.start_t] = value[:, :, 0]
@@ -201,6 +235,47 @@ class BatchView(Cache):
             lo, hi = self.slots[0], self.slots[0] + len(self.slots)
             return K[lo:hi, :, : self.kv_len], V[lo:hi, :, : self.kv_len]
         return K[self.slot_t, :, : self.kv_len], V[self.slot_t, :, : self.kv_len]
+
+    def _rows_of(self, t: torch.Tensor) -> torch.Tensor:
+        """The forward's rows of a slot tensor: a view where the slots are contiguous, else a copy."""
+        if self.contiguous:
+            return t[self.slots[0] : self.slots[0] + len(self.slots)]
+        return t[self.slot_t]
+
+    def _write_ring(self, K: torch.Tensor, V: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sliding layer (``lmdock_hf._window``): decode writes, then reads the ring; a prefill
+        chunk reads the ring as it stood and its own keys, then keeps its last ``window`` keys."""
+        if self.width == 1:
+            at = torch.remainder(self.start_t, window)
+            K[self.slot_t, :, at] = key[:, :, 0]
+            V[self.slot_t, :, at] = value[:, :, 0]
+            keys, values = self._rows_of(K), self._rows_of(V)
+        elif self.prior:  # torch.cat copies the ring before the chunk overwrites it below
+            keys, values = torch.cat([self._rows_of(K), key], dim=2), torch.cat([self._rows_of(V), value], dim=2)
+        else:
+            keys, values = key, value
+        if self.width > 1:
+            kept = min(self.width, window)
+            for r, (s, a) in enumerate(zip(self.slots, self.starts)):
+                at = torch.remainder(torch.arange(a + self.width - kept, a + self.width, device=key.device), window)
+                K[s][:, at] = key[r, :, -kept:]
+                V[s][:, at] = value[r, :, -kept:]
+        layer_mask(self._ring(window, K.shape[2]))
+        return keys, values
+
+    def _ring(self, window: int, size: int) -> _window.Keys:
+        """The token positions of a ring layer's keys in this forward, once per window and ring length."""
+        if (window, size) not in self._ring_keys:
+            queries = self.start_t[:, None] + torch.arange(self.width, device=self.start_t.device)[None, :]
+            if self.width == 1:  # full rings at decode: every entry in the window
+                full = size == window and min(self.starts) >= window - 1
+                keys = None if full else _window.entry_positions(self.start_t, size, window)
+            elif self.prior:  # the ring as it stood before the chunk, then the chunk
+                keys = torch.cat([_window.entry_positions(self.start_t - 1, size, window), queries], dim=1)
+            else:  # a chunk from position 0: causal, and windowed once it is wider than the window
+                keys = None if self.width <= window else queries
+            self._ring_keys[(window, size)] = _window.Keys(window, queries, keys)
+        return self._ring_keys[(window, size)]
 
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
         """Positions already cached before this forward (of the longest row)."""

@@ -20,7 +20,7 @@ from lmdock.backend import SeqChunk, StepOutput, read_model_json
 
 from lmdock_hf._attention import ATTENTION, positions, register, row_mask
 from lmdock_hf._cache import BatchView, SlotKVCache, cache_keyword
-from lmdock_hf._family import check, inspect
+from lmdock_hf._family import check, inspect, windows
 from lmdock_hf._lora import DEFAULT_MAX_LORAS, Adapters
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -42,7 +42,12 @@ class HFStepEngine:
         self.vocab_size = int(model.config.get_text_config().vocab_size)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.dtype = next(model.parameters()).dtype
-        self.cache = SlotKVCache(device, self.dtype, max_seq_len)
+        #: sliding layers whose slots hold only their window (lmdock's attention applies the window)
+        self.kv_windows = windows(model.config) if model.config._attn_implementation == ATTENTION else {}
+        self.cache = SlotKVCache(device, self.dtype, max_seq_len, self.kv_windows)
+        #: every layer a ring (Mistral, Phi-3): no layer reads the engine's mask, so none is built
+        layers = getattr(model.config.get_text_config(), "num_hidden_layers", -1)
+        self.rings_only = len(self.kv_windows) == layers and not inspect(model.config).recurrent
         self.cache_kw = cache_keyword(model)
         self.forward_calls = 0
         #: LoRA adapters, made on the first request that names one (``prepare_lora``)
@@ -162,6 +167,8 @@ class HFStepEngine:
                 return None  # every row sees all its keys
             if width > 1 and starts == [0] * len(starts):
                 return None  # plain causal
+            if self.rings_only:
+                return None
         return row_mask(pos, kv_len, self.dtype)
 
     @torch.inference_mode()
@@ -172,6 +179,8 @@ class HFStepEngine:
     def fork(self, src_seq_id: int, dst_seq_id: int, length: int) -> bool:
         if not self.fork_truncates and self.cache.state_length(src_seq_id) != length:
             return False  # the state covers more positions than asked: the core computes them instead
+        if not self.cache.holds(src_seq_id, length):
+            return False  # a sliding layer's ring has moved past the window ``length`` needs (``_window``)
         self.cache.copy(src_seq_id, dst_seq_id, length)
         return True
 
@@ -179,7 +188,7 @@ class HFStepEngine:
         return len(self.cache)
 
     def close(self) -> None:
-        self.cache = SlotKVCache(self.device, self.dtype, self.max_seq_len)
+        self.cache = SlotKVCache(self.device, self.dtype, self.max_seq_len, self.kv_windows)
         self.model = None
         self.adapters = None  # its weights go with the model
 

@@ -2,8 +2,9 @@
 
 - sliding windows: per layer from ``layer_types`` and ``sliding_window`` (``max_window_layers`` and
   Qwen 2's ``use_sliding_window`` are folded into ``layer_types`` by the configs that have them);
-  Mistral and Phi-3 window every layer.  lmdock's attention (``lmdock_hf._attention``) applies them,
-  so a windowed model needs it (``attn_implementation = "auto"``).
+  Mistral and Phi-3 window every layer (:func:`windows`).  lmdock's attention
+  (``lmdock_hf._attention``) applies them and the slot cache keeps only each sliding layer's window
+  (``lmdock_hf._window``), so a windowed model needs it (``attn_implementation = "auto"``).
 - recurrent state (SSM / conv layers of hybrids): kept per slot (``lmdock_hf._states``) through
   transformers 5's linear-attention ``Cache`` API; older transformers has no such API here.
 """
@@ -39,6 +40,24 @@ def inspect(config: Any) -> Family:
         windowed = bool(getattr(cfg, "use_sliding_window", True))
     recurrent = cfg.model_type in _RECURRENT_MODEL_TYPES or any(t not in _ATTENTION_TYPES for t in types)
     return Family(str(cfg.model_type), windowed, recurrent)
+
+
+def windows(config: Any) -> dict[int, int]:
+    """Layer index -> window of every sliding-window attention layer (none: an empty dict).
+
+    The layers transformers' own ``DynamicCache`` makes sliding (``get_layer_types_and_kwargs``):
+    ``sliding_attention`` in ``layer_types``; without ``layer_types``, every layer of a config with a
+    ``sliding_window`` (Mistral, Phi-3; Qwen 2's ``use_sliding_window = false`` turns it off).
+    ``chunked_attention`` (Llama 4) is not a sliding window and stays a full layer here.
+    """
+    cfg = config.get_text_config()
+    window = getattr(cfg, "sliding_window", None)
+    if not inspect(config).windowed or not isinstance(window, int) or window <= 0:
+        return {}
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        return dict.fromkeys(range(int(cfg.num_hidden_layers)), window)
+    return {i: window for i, t in enumerate(types) if t == "sliding_attention"}
 
 
 def check(family: Family, model: str, attn: str) -> None:
