@@ -115,7 +115,9 @@ def _passed(name: str, default: Any) -> property:
 
 class _Adapted(StepEngineBase):
     """A step engine written without :class:`StepEngineBase`, seen through the base.  Every attribute
-    the base does not define (``tokenizer``, ``vocab_size``, an engine's own) is the engine's."""
+    the base does not define (``tokenizer``, ``vocab_size``, an engine's own) is the engine's, and
+    each call is looked up on the engine when made (not bound once here), so a method replaced on the
+    engine after loading (a test's spy) is the one the loop calls."""
 
     kv_capacity_tokens = _passed("kv_capacity_tokens", None)  # type: ignore[assignment]
     fork_truncates = _passed("fork_truncates", True)  # type: ignore[assignment]
