@@ -177,7 +177,7 @@ class StepOutput:
 
 @runtime_checkable
 class StepEngine(Protocol):
-    """What a step backend's load hook returns."""
+    """What a step backend's load hook returns (best a subclass of ``lmdock.backend.StepEngineBase``)."""
 
     tokenizer: Tokenizer
     vocab_size: int
@@ -208,20 +208,9 @@ class StepEngine(Protocol):
 
     def close(self) -> None: ...
 
-    # Optional: ``prepare_lora(lora)`` (a backend that declares ``lora``) is called in the submitting
-    # thread for each request with a ``LoRARequest``: it loads (or checks) the adapter and raises to
-    # refuse that request alone (an unknown folder, an adapter for another model); chunks then name it.
-    # Optional: ``thread_exit()`` is called in the engine thread as it ends, for resources that
-    # belong to that thread (MLX streams, for one).
-    # Optional: ``fork_truncates = False`` says the engine's state cannot be cut back to fewer positions
-    # than it covers (a recurrent / SSM state summarises them all): ``fork`` then copies a sequence
-    # only at the length its state stands at, and automatic prefix caching reuses a cached prompt only
-    # where the new prompt extends all of it (docs/engine.md).
-    # Optional: ``overlap_host_work = True`` says ``step`` spends its time outside the GIL and leaves
-    # a CPU core free (its forward runs on an accelerator): the core then detokenizes and delivers
-    # the previous step's outputs on a helper thread while ``step`` runs (``lmdock._engine.overlap``;
-    # ``[scheduler] async_output`` overrides it).  ``step``, ``release`` and ``fork`` are still
-    # called from the engine thread only.
+    # Optional members (prepare_lora, thread_exit, fork_truncates, overlap_host_work, truncate,
+    # scheduler_limits, max_loras): lmdock.backend.StepEngineBase defines each with its default and
+    # meaning.  ``step``, ``release`` and ``fork`` are called from the engine thread only.
 
 
 @dataclass

@@ -181,9 +181,11 @@ def _check_lora_limits(spec: BackendSpec, mc: ModelConfig) -> None:
 
 def _wrap_step_engine(engine: Any, spec: BackendSpec, mc: ModelConfig, hook: Any) -> RequestEngine:
     from lmdock._engine.runner import StepRunner
+    from lmdock._engine.step_engine import as_step_engine
 
+    engine = as_step_engine(engine)
     # an engine may narrow the scheduler's limits (lmdock-hf's OffloadPolicy picks the batch it streams for)
-    config = mc.scheduler.replace(**limits) if (limits := getattr(engine, "scheduler_limits", None)) else mc.scheduler
+    config = mc.scheduler.replace(**limits) if (limits := engine.scheduler_limits) else mc.scheduler
     scheduler = hook.lmdock_make_scheduler(config=config, max_seq_len=engine.max_seq_len, kv_capacity_tokens=engine.kv_capacity_tokens)
     if scheduler is None:
         engine.close()

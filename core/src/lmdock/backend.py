@@ -1,5 +1,6 @@
 """What backend authors implement against: the engine contracts, the declaration, and the core's parts
-a backend may reuse (slot bookkeeping, the sampler and scheduler interfaces).
+a backend may reuse (the step engines' base class, the LoRA adapter cache, slot bookkeeping, the
+sampler and scheduler interfaces).
 
 Users import from ``lmdock``; plugins import from here (and ``lmdock`` for the portable configs and
 errors they share with users).  Importing this module, like ``lmdock``, imports no engine and no numpy:
@@ -24,6 +25,8 @@ from lmdock._contract import (
     StepOutput,
 )
 from lmdock._declare import Backend, has_nvidia_gpu
+from lmdock._engine.adapter_cache import AdapterCache
+from lmdock._engine.step_engine import StepEngineBase
 from lmdock._errors import BackendError, EngineClosedError, RequestError, UnsupportedError
 from lmdock._files import read_model_json
 from lmdock._hooks import hookimpl
@@ -72,6 +75,7 @@ def build_options(cls: type, data: dict[str, Any], *, source: str | None = None,
 
 
 __all__ = [
+    "AdapterCache",
     "Backend",
     "BackendError",
     "BackendSpec",
@@ -100,6 +104,7 @@ __all__ = [
     "SeqChunk",
     "SlotTable",
     "StepEngine",
+    "StepEngineBase",
     "StepOutput",
     "Tokenizer",
     "UnsupportedError",

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 from lmdock import BackendError, ModelConfig, UnsupportedError
-from lmdock.backend import SeqChunk, StepOutput, read_model_json
+from lmdock.backend import SeqChunk, StepEngineBase, StepOutput, read_model_json
 
 
 class Tokenizer:
@@ -93,11 +93,13 @@ class _Cache:
         return other
 
 
-class NumpyLlama:
-    """The reference step engine."""
+class NumpyLlama(StepEngineBase):
+    """The reference step engine.  ``StepEngineBase`` holds the contract's fields (``tokenizer``,
+    ``vocab_size``, ``max_seq_len``, ``eos_token_ids``, ``generation_config``, ``kv_capacity_tokens``)
+    and the optional members' defaults: no LoRA (``prepare_lora`` refuses), no ``truncate``, forks at
+    any length, no ``thread_exit``.  An engine overrides what it does differently."""
 
     def __init__(self, folder: Path, config: dict[str, Any], weights: dict[str, np.ndarray], tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
         self.w = weights
         self.n_layers = config["num_hidden_layers"]
         self.n_heads = config["num_attention_heads"]
@@ -105,8 +107,6 @@ class NumpyLlama:
         self.hidden = config["hidden_size"]
         self.head_dim = config.get("head_dim") or self.hidden // self.n_heads
         self.eps = config.get("rms_norm_eps", 1e-6)
-        self.vocab_size = config["vocab_size"]
-        self.max_seq_len = config.get("max_position_embeddings", 2048)
         rope = config.get("rope_parameters") or {}
         theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
         if rope.get("rope_type", "default") != "default":
@@ -116,9 +116,8 @@ class NumpyLlama:
         eos = config.get("eos_token_id")
         gen = read_model_json(str(folder), "generation_config.json")
         ids = [e for e in (gen.get("eos_token_id"), eos, tokenizer.eos_token_id) for e in (e if isinstance(e, list) else [e]) if isinstance(e, int)]
-        self.eos_token_ids = tuple(dict.fromkeys(ids))
-        self.generation_config = gen
-        self.kv_capacity_tokens = None
+        super().__init__(tokenizer, vocab_size=config["vocab_size"], max_seq_len=config.get("max_position_embeddings", 2048),
+                         eos_token_ids=tuple(dict.fromkeys(ids)), generation_config=gen)
         self.caches: dict[int, _Cache] = {}
 
     @classmethod

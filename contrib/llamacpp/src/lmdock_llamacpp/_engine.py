@@ -32,7 +32,7 @@ from typing import Any
 import llama_cpp as lc
 import numpy as np
 from lmdock import BackendError, ModelConfig, UnsupportedError
-from lmdock.backend import SeqChunk, StepOutput
+from lmdock.backend import SeqChunk, StepEngineBase, StepOutput
 
 # llama.cpp's enums as llama-cpp-python exports them (its own copies of ggml.h / llama.h, which move
 # with each release), never numbers copied here; GGML_TYPE_BF16 is the one it does not export (issue 26)
@@ -204,7 +204,7 @@ class _Batch:
         )
 
 
-class LlamaCppStepEngine:
+class LlamaCppStepEngine(StepEngineBase):
     """A GGUF model in one llama.cpp context, with a unified KV cache shared by its sequences."""
 
     def __init__(self, model: Any, path: Path, options: Any, build: dict[str, Any], file_type: str, tokenizer: Any) -> None:
@@ -212,17 +212,14 @@ class LlamaCppStepEngine:
         self.path = path
         #: The GGUF's type, as llama.cpp names it ("F32", "Q8_0", "Q4_K_M"...).
         self.file_type = file_type
-        self.tokenizer = tokenizer
         vocab = lc.llama_model_get_vocab(model)
-        self.vocab_size = lc.llama_vocab_n_tokens(vocab)
-        self.eos_token_ids = tuple(dict.fromkeys(t for t in (lc.llama_vocab_eos(vocab), lc.llama_vocab_eot(vocab)) if t >= 0))
-        self.generation_config: dict[str, Any] = {}
         self.ctx = self._context(options, build)
         n_ctx = lc.llama_n_ctx(self.ctx)
         train = lc.llama_model_n_ctx_train(model)
-        self.max_seq_len = min(n_ctx, train, build.get("max_seq_len") or train)
         # the scheduler keeps to kv_cache.max_tokens where given (llama.cpp rounds n_ctx up to 256)
-        self.kv_capacity_tokens: int | None = min(n_ctx, build.get("kv_max_tokens") or n_ctx)
+        super().__init__(tokenizer, vocab_size=lc.llama_vocab_n_tokens(vocab), max_seq_len=min(n_ctx, train, build.get("max_seq_len") or train),
+                         eos_token_ids=[t for t in dict.fromkeys((lc.llama_vocab_eos(vocab), lc.llama_vocab_eot(vocab))) if t >= 0],
+                         kv_capacity_tokens=min(n_ctx, build.get("kv_max_tokens") or n_ctx))
         self.n_batch = lc.llama_n_batch(self.ctx)
         self._mem = lc.llama_get_memory(self.ctx)
         #: one state per sequence that cannot be cut back (see the module's docstring)

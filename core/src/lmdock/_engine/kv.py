@@ -18,22 +18,22 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from lmdock._contract import StepEngine
     from lmdock._engine.scheduler import Scheduler
     from lmdock._engine.sequence import QuerySeq, Seq
+    from lmdock._engine.step_engine import StepEngineBase
 
 log = logging.getLogger("lmdock.engine")
 
 
 class KV:
-    def __init__(self, engine: StepEngine, scheduler: Scheduler) -> None:
+    def __init__(self, engine: StepEngineBase, scheduler: Scheduler) -> None:
         self._engine = engine
         self._scheduler = scheduler
 
     @property
     def capacity(self) -> int | None:
         """The most KV positions the engine can hold across sequences (None: no limit it knows)."""
-        return getattr(self._engine, "kv_capacity_tokens", None)
+        return self._engine.kv_capacity_tokens
 
     def hold(self, plan: Iterable[tuple[Seq | QuerySeq, int]]) -> None:
         """The engine may take KV state for the plan's sequences from here on (just before the step

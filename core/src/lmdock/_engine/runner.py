@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from lmdock._contract import EngineRequest, OutputSink, SeqChunk, StepEngine
+from lmdock._contract import EngineRequest, OutputSink, SeqChunk
 from lmdock._engine.beam_step import BeamStepper
 from lmdock._engine.biases import bad_words_ids
 from lmdock._engine.failures import as_request_error, guard
@@ -55,6 +55,7 @@ from lmdock._engine.sampler import LogitsProcessor, Sample, Sampler, host_array
 from lmdock._engine.sampling import sample_contained
 from lmdock._engine.scheduler import Scheduler
 from lmdock._engine.sequence import QuerySeq, Req, Seq, live
+from lmdock._engine.step_engine import StepEngineBase, as_step_engine
 from lmdock._engine.validate import check_ids, check_request, compile_constraints, load_lora, prepare_lora
 from lmdock._errors import BackendError, EngineClosedError, RequestError
 
@@ -68,7 +69,8 @@ Plan = list[tuple[Any, int]]
 
 
 class StepRunner:
-    """A :class:`lmdock.backend.RequestEngine` over a :class:`lmdock.backend.StepEngine`.
+    """A :class:`lmdock.backend.RequestEngine` over a :class:`lmdock.backend.StepEngine` (one written
+    without :class:`lmdock.backend.StepEngineBase` is seen through it: ``as_step_engine``).
 
     ``processors_for(params)`` returns the request's logits processors, each already named after the
     plugin that contributed it (see ``lmdock._loader``); it is called in the submitting thread, so a
@@ -78,7 +80,7 @@ class StepRunner:
 
     def __init__(
         self,
-        engine: StepEngine,
+        engine: StepEngineBase | Any,
         scheduler: Scheduler,
         sampler: Sampler,
         processors_for: Callable[[Any], Sequence[LogitsProcessor]] = lambda params: (),
@@ -89,7 +91,7 @@ class StepRunner:
         async_output: bool | None = None,
         fill_masks: Callable[..., None] | None = None,
     ) -> None:
-        self.engine = engine
+        self.engine = engine = as_step_engine(engine)
         self.tokenizer = engine.tokenizer
         self.max_seq_len = engine.max_seq_len
         self.generation_config = engine.generation_config
@@ -101,7 +103,7 @@ class StepRunner:
         self.requests = Requests(engine, scheduler, self.kv, self.output, self.queries)
         #: automatic prefix caching of generate prompts (``kv_cache.enable_prefix_caching``)
         self.prompts = PromptCaching(self.kv, scheduler, self._new_seq_id, prefix_caching,
-                                     whole=not getattr(engine, "fork_truncates", True))
+                                     whole=not engine.fork_truncates)
         self.beams = BeamStepper(self.kv, scheduler, self._new_seq_id, engine.eos_token_ids, engine.max_seq_len)
         self._processors_for = processors_for
         #: ``constraints_for(params, n)``: one structured-output constraint per completion, or None
@@ -118,7 +120,7 @@ class StepRunner:
         #: overlap: a helper thread for deferred output work (``async_output``; by default where the
         #: engine's step leaves the GIL and a core free)
         if async_output is None:
-            async_output = bool(getattr(engine, "overlap_host_work", False))
+            async_output = bool(engine.overlap_host_work)
         self.deferred = DeferredOutput(self.output, async_output)
         self._thread = threading.Thread(target=self._loop, name="lmdock-engine", daemon=True)
         self._thread.start()
@@ -181,8 +183,7 @@ class StepRunner:
         """Live counts for monitoring (the server's /metrics) and tests; safe from any thread."""
         running = list(getattr(self.scheduler, "running", ()))
         waiting = list(getattr(self.scheduler, "waiting", ()))
-        capacity = getattr(self.engine, "kv_capacity_tokens", None)
-        held = getattr(self.engine, "num_sequences", None)
+        capacity = self.engine.kv_capacity_tokens
         active = {id(s.req) for s in running if s.req is not None}
         cached = len(self.queries.cache) + self.prompts.held  # the prefix caches hold theirs on purpose
         return {
@@ -193,7 +194,7 @@ class StepRunner:
             "kv_cache_usage_perc": (sum(s.num_computed for s in running) / capacity) if capacity else 0.0,
             "num_preemptions_total": self._preemptions,
             "num_requests_aborted_total": self.requests.aborted,
-            "num_sequences_held": (held() - cached) if callable(held) else None,
+            "num_sequences_held": self.engine.num_sequences() - cached,
             "num_sequences_cached": cached,
             "prefix_cache_hit_tokens": self.prompts.hit_tokens,
             "prefix_caching": self.prompts.mode,
@@ -201,7 +202,7 @@ class StepRunner:
             # LoRA (vLLM's lora_requests_info): the adapters of running and waiting requests, by name
             "running_lora_adapters": _adapter_names(running),
             "waiting_lora_adapters": _adapter_names(waiting),
-            "max_lora": int(getattr(self.engine, "max_loras", 0) or 0),
+            "max_lora": int(self.engine.max_loras or 0),
         }
 
     # -- the loop (engine thread) -----------------------------------------------------------------
@@ -218,13 +219,10 @@ class StepRunner:
         finally:
             self._release_everything()
             self.deferred.close()
-            # optional: per-thread resources the engine made in this thread (MLX streams)
-            thread_exit = getattr(self.engine, "thread_exit", None)
-            if thread_exit is not None:
-                try:
-                    thread_exit()
-                except Exception:
-                    log.exception("the step engine's thread_exit failed")
+            try:  # per-thread resources the engine made in this thread (MLX streams)
+                self.engine.thread_exit()
+            except Exception:
+                log.exception("the step engine's thread_exit failed")
 
     def _iterate(self) -> bool:
         messages, closing = self._inbox.wait(self.scheduler.has_work)

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmdock._contract import EngineRequest
 from lmdock._engine.beam import UNSUPPORTED_WITH_BEAMS
 from lmdock._engine.biases import check_token_fields
 from lmdock._engine.sampler import LogitsProcessor
 from lmdock._errors import LmdockError, RequestError
+
+if TYPE_CHECKING:
+    from lmdock._engine.step_engine import StepEngineBase
 
 log = logging.getLogger("lmdock.engine")
 
@@ -30,19 +33,16 @@ def check_ids(ids: Sequence[int], vocab: int, max_seq_len: int) -> None:
         raise RequestError(f"{len(ids)} tokens exceed the model's context ({max_seq_len})")
 
 
-def prepare_lora(engine: Any, request: EngineRequest) -> None:
+def prepare_lora(engine: StepEngineBase, request: EngineRequest) -> None:
     """Have the step engine load (or check) the request's adapter; refuse the request if it cannot."""
     if request.lora_request is not None:
         load_lora(engine, request.lora_request)
 
 
-def load_lora(engine: Any, lora: Any) -> None:
+def load_lora(engine: StepEngineBase, lora: Any) -> None:
     """Have the step engine load (or check) ``lora`` (any thread; the backend caches it)."""
-    prepare = getattr(engine, "prepare_lora", None)
-    if prepare is None:
-        raise RequestError(f"lora_request {lora.name!r}: this step engine cannot run LoRA adapters (it has no prepare_lora)")
     try:
-        prepare(lora)
+        engine.prepare_lora(lora)
     except LmdockError:
         raise
     except Exception as exc:

@@ -9,38 +9,35 @@ updates per row, so a decode forward mixes the base model and several adapters.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from lmdock import BackendError, ConfigError, LoRARequest, ModelConfig
-from lmdock.backend import SeqChunk, StepOutput, read_model_json
+from lmdock import BackendError, ConfigError, ModelConfig
+from lmdock.backend import SeqChunk, StepEngineBase, StepOutput, read_model_json
 
 from lmdock_hf._attention import ATTENTION, positions, register, row_mask
 from lmdock_hf._cache import BatchView, SlotKVCache, cache_keyword
 from lmdock_hf._family import check, inspect, windows
-from lmdock_hf._lora import DEFAULT_MAX_LORAS, Adapters
+from lmdock_hf._lora import Adapters
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _register_attention = register  # the offload engine registers it too
 
 
-class HFStepEngine:
+class HFStepEngine(StepEngineBase):
     """A transformers causal LM as an lmdock step engine."""
 
-    def __init__(self, model: Any, tokenizer: Any, device: torch.device, max_seq_len: int, kv_max_tokens: int | None, generation_config: dict[str, Any]) -> None:
+    def __init__(self, model: Any, tokenizer: Any, device: torch.device, max_seq_len: int, kv_max_tokens: int | None,
+                 generation_config: dict[str, Any], lora_limits: tuple[int | None, int | None] = (None, None)) -> None:
+        """``lora_limits``: ``build.max_loras`` and ``build.max_lora_rank``."""
+        super().__init__(tokenizer, vocab_size=int(model.config.get_text_config().vocab_size), max_seq_len=max_seq_len,
+                         eos_token_ids=_eos_ids(model, tokenizer), generation_config=generation_config, kv_capacity_tokens=kv_max_tokens)
         #: on an accelerator the CPU waits while the step runs: the core overlaps its output work
         self.overlap_host_work = device.type != "cpu"
         self.model = model
-        self.tokenizer = tokenizer
         self.device = device
-        self.max_seq_len = max_seq_len
-        self.kv_capacity_tokens = kv_max_tokens
-        self.generation_config = generation_config
-        self.vocab_size = int(model.config.get_text_config().vocab_size)
-        self.eos_token_ids = _eos_ids(model, tokenizer)
         self.dtype = next(model.parameters()).dtype
         #: sliding layers whose slots hold only their window (lmdock's attention applies the window)
         self.kv_windows = windows(model.config) if model.config._attn_implementation == ATTENTION else {}
@@ -50,10 +47,8 @@ class HFStepEngine:
         self.rings_only = len(self.kv_windows) == layers and not inspect(model.config).recurrent
         self.cache_kw = cache_keyword(model)
         self.forward_calls = 0
-        #: LoRA adapters, made on the first request that names one (``prepare_lora``)
-        self.adapters: Adapters | None = None
-        self._adapters_made = threading.Lock()  # submitting threads race to make it: one must win
-        self.lora_limits: tuple[int | None, int | None] = (None, None)  # build.max_loras, build.max_lora_rank
+        #: LoRA adapters, each loaded by the first request that names it (``prepare_lora``)
+        self.adapters: Adapters | None = Adapters(model, *lora_limits)
         #: a recurrent (SSM / conv) state cannot be cut back: forks only at the length it stands at
         self.fork_truncates = not inspect(model.config).recurrent
 
@@ -88,23 +83,10 @@ class HFStepEngine:
             apply(model, quantization)
         limit = _context_length(model, tokenizer)
         max_seq_len = min(build["max_seq_len"], limit) if build.get("max_seq_len") else limit
-        engine = cls(model, tokenizer, device, max_seq_len, build.get("kv_max_tokens"), read_model_json(mc.model, "generation_config.json"))
-        engine.lora_limits = (build.get("max_loras"), build.get("max_lora_rank"))
-        return engine
+        return cls(model, tokenizer, device, max_seq_len, build.get("kv_max_tokens"), read_model_json(mc.model, "generation_config.json"),
+                   lora_limits(build))
 
-    # -- the step-engine contract ---------------------------------------------------------------
-
-    @property
-    def max_loras(self) -> int:
-        """Adapters kept loaded (``build.max_loras``, or lmdock-hf's default); reported in /metrics."""
-        return self.lora_limits[0] or DEFAULT_MAX_LORAS
-
-    def prepare_lora(self, lora: LoRARequest) -> None:
-        """Load a request's adapter (in the submitting thread): one that cannot load fails its request."""
-        with self._adapters_made:
-            if self.adapters is None:
-                self.adapters = Adapters(self.model, *self.lora_limits)
-        self.adapters.prepare(lora)
+    # -- the step-engine contract (StepEngineBase: prepare_lora and max_loras from ``adapters``) -------
 
     # KV tensors are inference tensors: every method that touches them runs in inference mode.
     @torch.inference_mode()
@@ -128,8 +110,8 @@ class HFStepEngine:
             last[i] = logits[-1]
             if c.all_logits:
                 full[c.seq_id] = logits.cpu().numpy()
-        if self.adapters is not None:
-            self.adapters.evict(chunks)
+        if self.adapters:
+            self.adapters.evict(c.lora.key for c in chunks if c.lora is not None)
         return StepOutput(last, full)
 
     def _forward(self, chunks: list[SeqChunk], all_logits: bool) -> torch.Tensor:
@@ -140,7 +122,7 @@ class HFStepEngine:
         view = BatchView(self.cache, [self.cache.slot_of[c.seq_id] for c in chunks], starts, width, kv_len)
         ids = torch.tensor([list(c.token_ids) for c in chunks], device=self.device)
         pos = view.start_t[:, None] + torch.arange(width, device=self.device)[None, :]
-        if self.adapters is not None:
+        if self.adapters:  # LoRA: which rows of this forward run under which adapter
             self.adapters.select([c.lora for c in chunks])
         try:
             with positions(pos):
@@ -154,7 +136,7 @@ class HFStepEngine:
                 )
             view.finish()
         finally:
-            if self.adapters is not None:
+            if self.adapters:
                 self.adapters.clear()
         self.forward_calls += 1
         logits = out.logits.float()
@@ -191,6 +173,11 @@ class HFStepEngine:
         self.cache = SlotKVCache(self.device, self.dtype, self.max_seq_len, self.kv_windows)
         self.model = None
         self.adapters = None  # its weights go with the model
+
+
+def lora_limits(build: dict[str, Any]) -> tuple[int | None, int | None]:
+    """``build.max_loras`` and ``build.max_lora_rank`` (None: not set)."""
+    return build.get("max_loras"), build.get("max_lora_rank")
 
 
 def _load_model(auto: Any, model: str, attn: str, kwargs: dict[str, Any]) -> Any:

@@ -9,23 +9,18 @@ batch mixing the base model and several adapters runs in one forward; rows under
 exactly what the unwrapped layer does.
 
 Adapters load on first use (``prepare``, in the submitting thread, so one that cannot load fails its
-request alone) and at most ``build.max_loras`` stay loaded; the least recently used go first, never
-one the current forward uses (an evicted adapter is read again when a request names it).
+request alone) and at most ``build.max_loras`` stay loaded (default 8); the least recently used go
+first, never one the current step uses (an evicted adapter is read again when a request names it).
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from lmdock import LoRARequest, RequestError
-from lmdock.backend import SeqChunk, read_lora_adapter
-
-#: Adapters kept loaded when ``build.max_loras`` is not set.
-DEFAULT_MAX_LORAS = 8
+from lmdock.backend import AdapterCache, read_lora_adapter
 
 
 @dataclass
@@ -55,50 +50,27 @@ class LoRALinear(torch.nn.Module):
         return out
 
 
-class Adapters:
-    """The adapters an engine has loaded, and which rows of the current forward use which."""
+class Adapters(AdapterCache[Adapter]):
+    """The adapters an engine has loaded (``lmdock.backend.AdapterCache``: least recently used out,
+    rows grouped by adapter), and which rows of the current forward use which."""
 
     def __init__(self, model: torch.nn.Module, max_loras: int | None, max_rank: int | None) -> None:
+        super().__init__(max_loras, max_rank)
         self.model = model
-        self.max_loras = max_loras or DEFAULT_MAX_LORAS
-        self.max_rank = max_rank
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
-        self.loaded: OrderedDict[tuple[str, str], Adapter] = OrderedDict()
         #: the current forward's updates: module name -> [(row indices or None for all, A, B, scale)]
         self.plan: dict[str, list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float]]] = {}
         self._wrapped: set[str] = set()
-        self._lock = threading.Lock()
-        self.loads = 0  # adapters read from disk (tests check the cache)
 
-    def prepare(self, lora: LoRARequest) -> None:
-        """Load the adapter unless it is loaded (any thread); raises when it cannot be."""
-        self._get(lora)
-
-    def _get(self, lora: LoRARequest) -> Adapter:
-        with self._lock:
-            adapter = self.loaded.get(lora.key)
-            if adapter is None:
-                adapter = read_adapter(lora, self.model, self.dtype, self.device, self.max_rank)
-                self.loads += 1
-                self.loaded[lora.key] = adapter
-            self.loaded.move_to_end(lora.key)
-            return adapter
+    def load(self, lora: LoRARequest) -> Adapter:
+        return read_adapter(lora, self.model, self.dtype, self.device, self.max_rank)
 
     def select(self, loras: Sequence[LoRARequest | None]) -> None:
         """Say which adapter each row of the next forward runs under (engine thread)."""
         self.plan = {}
-        groups: dict[tuple[str, str], list[int]] = {}
-        by_key: dict[tuple[str, str], LoRARequest] = {}
-        for row, lora in enumerate(loras):
-            if lora is not None:
-                groups.setdefault(lora.key, []).append(row)
-                by_key[lora.key] = lora
-        if not groups:
-            return
-        for key, rows in groups.items():
-            adapter = self._get(by_key[key])
-            index = None if len(rows) == len(loras) else torch.tensor(rows, device=self.device)
+        for adapter, rows in self.groups(loras):
+            index = None if rows is None else torch.tensor(rows, device=self.device)
             for name, (a, b, scale) in adapter.modules.items():
                 self._wrap(name)
                 self.plan.setdefault(name, []).append((index, a, b, scale))
@@ -113,16 +85,6 @@ class Adapters:
         parent = self.model.get_submodule(parent_name)
         setattr(parent, attr, LoRALinear(getattr(parent, attr), name, self))
         self._wrapped.add(name)
-
-    def evict(self, chunks: Sequence[SeqChunk]) -> None:
-        """Past ``max_loras``, unload the least recently used adapters but those of ``chunks`` (once
-        per step: a step's forwards, one per group or chunk, all keep theirs)."""
-        if len(self.loaded) <= self.max_loras:
-            return
-        keep = {c.lora.key for c in chunks if c.lora is not None}
-        with self._lock:
-            for key in [k for k in self.loaded if k not in keep][: max(0, len(self.loaded) - self.max_loras)]:
-                del self.loaded[key]
 
 
 def read_adapter(lora: LoRARequest, model: torch.nn.Module, dtype: torch.dtype, device: torch.device, max_rank: int | None) -> Adapter:

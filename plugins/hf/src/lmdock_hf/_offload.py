@@ -32,6 +32,7 @@ from lmdock_hf._engine import (
     _device,
     _dtype,
     _register_attention,
+    lora_limits,
 )
 from lmdock_hf._family import inspect
 from lmdock_hf._offload_kv import CompressedSlotKVCache, HostSlotKVCache, kv_bytes_per_token, kv_group
@@ -206,9 +207,8 @@ class OffloadStepEngine(HFStepEngine):
             model, tokenizer, device, max_seq_len, build.get("kv_max_tokens"),
             read_model_json(mc.model, "generation_config.json"),
             streamer=streamer, streamed=streamed, plan=chosen, layout=layout,
-            kv_compress=(head_dim, group) if group else None,
+            kv_compress=(head_dim, group) if group else None, lora_limits=lora_limits(build),
         )
-        engine.lora_limits = (build.get("max_loras"), build.get("max_lora_rank"))
         return engine
 
     # -- FlexLLMGen's block schedule: every sequence of the step through layer i, then layer i+1 ----
@@ -249,18 +249,18 @@ class OffloadStepEngine(HFStepEngine):
                     mod._parameters[pname] = slot.tensors[key]
             try:
                 for g in groups:
-                    if self.adapters is not None:  # LoRA: which rows of this group run under which adapter
+                    if self.adapters:  # LoRA: which rows of this group run under which adapter
                         self.adapters.select([c.lora for c in g.chunks])
                     out = layer(g.hidden, attention_mask=g.mask, position_ids=g.pos, use_cache=True, position_embeddings=g.pe, **{self.layer_cache_kw: g.view})
                     g.hidden = out[0] if isinstance(out, tuple) else out
             finally:
-                if self.adapters is not None:
+                if self.adapters:
                     self.adapters.clear()
                 if slot is not None:
                     self.streamer.release(slot)  # type: ignore[union-attr]
         self.forward_calls += 1
-        if self.adapters is not None:
-            self.adapters.evict(chunks)
+        if self.adapters:
+            self.adapters.evict(c.lora.key for c in chunks if c.lora is not None)
         last = np.empty((len(chunks), self.vocab_size), dtype=np.float32)
         full: dict[int, np.ndarray] = {}
         for idx, g in zip(order, groups):

@@ -26,16 +26,15 @@ forward with no adapter runs the untouched model.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from lmdock import BackendError, LoRARequest, ModelConfig, UnsupportedError
-from lmdock.backend import SeqChunk, StepOutput, read_model_json
+from lmdock.backend import SeqChunk, StepEngineBase, StepOutput, read_model_json
 
-from lmdock_mlx._lora import DEFAULT_MAX_LORAS, Adapters
+from lmdock_mlx._lora import Adapters
 
 #: Keys transformers 5 writes under names mlx-lm 0.32 does not read, by model_type: {mlx-lm's name:
 #: transformers 5's}.  Without them the load fails (a missing ModelArgs field); kept in one place so
@@ -156,17 +155,15 @@ class _Ahead:
             layer.trim(1)
 
 
-class MlxStepEngine:
-    def __init__(self, model: Any, tokenizer: Any, eos: tuple[int, ...], max_seq_len: int, vocab_size: int, generation_config: dict[str, Any], kv_max_tokens: int | None) -> None:
+class MlxStepEngine(StepEngineBase):
+    def __init__(self, model: Any, tokenizer: Any, eos: tuple[int, ...], max_seq_len: int, vocab_size: int, generation_config: dict[str, Any],
+                 kv_max_tokens: int | None, lora_limits: tuple[int | None, int | None] = (None, None)) -> None:
+        """``lora_limits``: ``build.max_loras`` and ``build.max_lora_rank``."""
+        super().__init__(tokenizer, vocab_size=vocab_size, max_seq_len=max_seq_len, eos_token_ids=eos,
+                         generation_config=generation_config, kv_capacity_tokens=kv_max_tokens)
         #: on the GPU (Metal) the CPU waits while MLX evaluates: the core overlaps its output work
         self.overlap_host_work = mx.default_device().type == mx.DeviceType.gpu
         self.model = model
-        self.tokenizer = tokenizer
-        self.eos_token_ids = eos
-        self.max_seq_len = max_seq_len
-        self.vocab_size = vocab_size
-        self.generation_config = generation_config
-        self.kv_capacity_tokens = kv_max_tokens
         self.caches: dict[int, list[Any]] = {}
         # The decode group: sequences decoding together keep one left-padded BatchKVCache per layer
         # across steps (row i is group_ids[i]); their per-sequence caches are not in self.caches.
@@ -174,10 +171,8 @@ class MlxStepEngine:
         self.group: list[Any] = []
         #: the next decode step, run ahead (see the module docstring)
         self.ahead: _Ahead | None = None
-        #: LoRA adapters, made on the first request that names one (``prepare_lora``)
-        self.adapters: Adapters | None = None
-        self._adapters_made = threading.Lock()  # submitting threads race to make it: one must win
-        self.lora_limits: tuple[int | None, int | None] = (None, None)  # build.max_loras, build.max_lora_rank
+        #: LoRA adapters, each checked by the first request that names it (``prepare_lora``)
+        self.adapters: Adapters | None = Adapters(model, *lora_limits)
         #: the adapter of each sequence that runs under one (the decode group's rows are forwarded by seq id)
         self.loras: dict[int, LoRARequest] = {}
         #: whether sequences decoding together share one BatchKVCache (see NO_DECODE_GROUP)
@@ -215,30 +210,18 @@ class MlxStepEngine:
         limit = int(config.get("max_position_embeddings") or 4096)
         max_seq_len = min(build["max_seq_len"], limit) if build.get("max_seq_len") else limit
         vocab = int(config.get("vocab_size") or len(tokenizer))
-        engine = cls(model, tokenizer, eos, max_seq_len, vocab, read_model_json(mc.model, "generation_config.json"), build.get("kv_max_tokens"))
-        engine.lora_limits = (build.get("max_loras"), build.get("max_lora_rank"))
+        engine = cls(model, tokenizer, eos, max_seq_len, vocab, read_model_json(mc.model, "generation_config.json"), build.get("kv_max_tokens"),
+                     (build.get("max_loras"), build.get("max_lora_rank")))
         engine.decode_group = config.get("model_type") not in NO_DECODE_GROUP
         return engine
 
-    # -- the step-engine contract ---------------------------------------------------------------
-
-    @property
-    def max_loras(self) -> int:
-        """Adapters kept loaded (``build.max_loras``, or lmdock-mlx's default); reported in /metrics."""
-        return self.lora_limits[0] or DEFAULT_MAX_LORAS
-
-    def prepare_lora(self, lora: LoRARequest) -> None:
-        """Check a request's adapter (in the submitting thread): one that cannot load fails its request."""
-        with self._adapters_made:
-            if self.adapters is None:
-                self.adapters = Adapters(self.model, *self.lora_limits)
-        self.adapters.prepare(lora)
+    # -- the step-engine contract (StepEngineBase: prepare_lora and max_loras from ``adapters``) -------
 
     def step(self, chunks: Sequence[SeqChunk]) -> StepOutput:
         from mlx_lm.models.cache import make_prompt_cache
 
         pending: list[Any] = [None] * len(chunks)
-        if self.adapters is not None:
+        if self.adapters:
             self.loras.update((c.seq_id, c.lora) for c in chunks if c.lora is not None)
         decode = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1 and not c.all_logits and c.start > 0 and self._decodable(c.seq_id)]
         ahead, self.ahead = self.ahead, None
@@ -276,8 +259,8 @@ class MlxStepEngine:
             nxt = _Ahead([c.seq_id], [c.start + 1], spec, self._forward(spec[None], cache, [c.lora])[0].astype(mx.float32), cache)
         else:
             mx.eval(outs)  # every sequence's graph at once
-        if self.adapters is not None:
-            self.adapters.evict(keep=[lora.key for lora in self.loras.values()])
+        if self.adapters:
+            self.adapters.evict(lora.key for lora in self.loras.values())
         if nxt is not None:
             mx.async_eval(nxt.logits)
         try:
@@ -365,7 +348,7 @@ class MlxStepEngine:
 
     def _forward(self, ids: Any, cache: Any, loras: list[LoRARequest | None]) -> Any:
         """Build the model's forward over ``ids``, each row under its adapter (None: the base model)."""
-        if self.adapters is None or not any(loras):
+        if not self.adapters or not any(loras):
             return self.model(ids, cache=cache)
         self.adapters.select(loras)
         try:

@@ -14,15 +14,13 @@ exactly what the base layer does, and a forward with no adapter runs the untouch
 safetensors header (``lmdock.backend.read_lora_adapter``, then module names, shapes and rank), so one
 that cannot load fails its request alone; its weights are read with ``mx.load`` in the engine thread
 on first use, because MLX streams belong to the thread that made them.  At most ``build.max_loras``
-stay loaded; the least recently used go first, never one a sequence in flight runs under (an evicted
+(default 8) stay loaded; the least recently used go first, never one a sequence in flight runs under (an evicted
 adapter is read again when a request names it).
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,10 +28,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from lmdock import LoRARequest, RequestError
-from lmdock.backend import read_lora_adapter
-
-#: Adapters kept loaded when ``build.max_loras`` is not set (lmdock-hf's default too).
-DEFAULT_MAX_LORAS = 8
+from lmdock.backend import AdapterCache, read_lora_adapter
 
 
 @dataclass
@@ -73,48 +68,29 @@ class LoRALinear(nn.Module):
         return out
 
 
-class Adapters:
-    """The adapters an engine has loaded, and which rows of the forward being built use which."""
+class Adapters(AdapterCache[Adapter]):
+    """The adapters an engine has loaded (``lmdock.backend.AdapterCache``: least recently used out,
+    rows grouped by adapter), and which rows of the forward being built use which."""
 
     def __init__(self, model: nn.Module, max_loras: int | None, max_rank: int | None) -> None:
+        super().__init__(max_loras, max_rank)
         self.model = model
-        self.max_loras = max_loras or DEFAULT_MAX_LORAS
-        self.max_rank = max_rank
-        self.loaded: OrderedDict[tuple[str, str], Adapter] = OrderedDict()
         #: the current forward's updates: module name -> [(row indices or None for all, A.T, B.T, scale)]
         self.plan: dict[str, list[tuple[mx.array | None, mx.array, mx.array, float]]] = {}
         #: module name -> (its parent, attribute, the base layer, its wrapper), made on first use
         self._wrappers: dict[str, tuple[Any, str, nn.Module, LoRALinear]] = {}
-        self._lock = threading.Lock()
-        self.loads = 0  # adapters checked and (re)admitted (tests check the cache)
 
-    def prepare(self, lora: LoRARequest) -> None:
-        """Check the adapter unless it is loaded (any thread); raises RequestError when it cannot run."""
-        self._get(lora)
-
-    def _get(self, lora: LoRARequest) -> Adapter:
-        with self._lock:
-            adapter = self.loaded.get(lora.key)
-            if adapter is None:
-                adapter = check_adapter(lora, self.model, self.max_rank)
-                self.loads += 1
-                self.loaded[lora.key] = adapter
-            self.loaded.move_to_end(lora.key)
-            return adapter
+    def load(self, lora: LoRARequest) -> Adapter:
+        """Checked, not read: the weights load in the engine thread (``Adapter.weights``)."""
+        return check_adapter(lora, self.model, self.max_rank)
 
     def select(self, loras: Sequence[LoRARequest | None]) -> None:
         """Say which adapter each row of the next forward runs under, and put the wrappers of the
         layers they target in place (engine thread; ``clear`` undoes it)."""
         plan: dict[str, list[tuple[mx.array | None, mx.array, mx.array, float]]] = {}
-        groups: dict[tuple[str, str], list[int]] = {}
-        by_key: dict[tuple[str, str], LoRARequest] = {}
-        for row, lora in enumerate(loras):
-            if lora is not None:
-                groups.setdefault(lora.key, []).append(row)
-                by_key[lora.key] = lora
-        for key, rows in groups.items():
-            index = None if len(rows) == len(loras) else mx.array(rows)
-            for name, (a, b, scale) in self._get(by_key[key]).weights().items():
+        for adapter, rows in self.groups(loras):
+            index = None if rows is None else mx.array(rows)
+            for name, (a, b, scale) in adapter.weights().items():
                 plan.setdefault(name, []).append((index, a, b, scale))
         for name in plan:
             parent, attr, _, wrapper = self._wrapper(name)
@@ -128,14 +104,6 @@ class Adapters:
             parent, attr, base, _ = self._wrappers[name]
             setattr(parent, attr, base)
         self.plan = {}
-
-    def evict(self, keep: Iterable[tuple[str, str]]) -> None:
-        """Drop the least recently used adapters beyond ``max_loras``, except those in ``keep`` (the
-        step's); graphs already built keep the arrays they captured."""
-        keep = set(keep)
-        with self._lock:
-            for key in [k for k in self.loaded if k not in keep][: max(0, len(self.loaded) - self.max_loras)]:
-                del self.loaded[key]
 
     def _wrapper(self, name: str) -> tuple[Any, str, nn.Module, LoRALinear]:
         if name not in self._wrappers:

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 from lmdock import BackendError, UnsupportedError
-from lmdock.backend import SeqChunk, SlotTable, StepOutput
+from lmdock.backend import SeqChunk, SlotTable, StepEngineBase, StepOutput
 
 _NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(bfloat16)": None}
 _OPT_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
@@ -197,22 +197,18 @@ class SlotCache(SlotTable):
             buf[d, :, :length] = buf[s, :, :length]
 
 
-class OnnxStepEngine:
+class OnnxStepEngine(StepEngineBase):
     """An exported causal LM on an ONNX Runtime session."""
 
     def __init__(self, session: Any, layout: Layout, tokenizer: Any, *, eos: tuple[int, ...], max_seq_len: int,
                  vocab_size: int, generation_config: dict[str, Any], kv_max_tokens: int | None, folder: Path,
                  contiguous_past: bool = False) -> None:
+        super().__init__(tokenizer, vocab_size=vocab_size, max_seq_len=max_seq_len, eos_token_ids=eos,
+                         generation_config=generation_config, kv_capacity_tokens=kv_max_tokens)
         #: on an accelerator the CPU waits while ONNX Runtime runs: the core overlaps its output work
         self.overlap_host_work = session.get_providers()[0] != "CPUExecutionProvider"
         self.session = session
         self.layout = layout
-        self.tokenizer = tokenizer
-        self.eos_token_ids = eos
-        self.max_seq_len = max_seq_len
-        self.vocab_size = vocab_size
-        self.generation_config = generation_config
-        self.kv_capacity_tokens = kv_max_tokens
         self.folder = folder
         #: pass each row's past right-aligned, without a gap (sliding windows; see the module's docstring)
         self.contiguous_past = contiguous_past and layout.present != "row"
