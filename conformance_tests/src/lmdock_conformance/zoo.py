@@ -127,7 +127,8 @@ def build(folder: str | Path, families: list[str] | None = None, tokenizer: str 
             out["skipped"][family] = f"{type(exc).__name__}: {exc}"
             continue
         _save(model, folder / family, tokenizer)
-        out["families"][family] = {"model_type": model_type, "reference": _reference(model, prompts)}
+        reference = _reference(model, prompts)
+        out["families"][family] = {"model_type": model_type, "reference": reference, **_window_check(family, model, reference, prompts)}
         print(f"zoo: {family} built", file=sys.stderr)
     (folder / "zoo.json").write_text(json.dumps(out, indent=1))
     return out
@@ -145,7 +146,24 @@ def _prompts(tokenizer: Path) -> dict[str, Any]:
 
 
 def _model(model_type: str, overrides: dict[str, Any]) -> Any:
-    return random_model(model_type, {**(_GPT2_BASE if model_type == "gpt2" else BASE), **overrides})
+    model = random_model(model_type, {**(_GPT2_BASE if model_type == "gpt2" else BASE), **overrides})
+    if model_type in ("gemma2", "gemma3_text"):
+        _gemma_window_matters(model)
+    return model
+
+
+def _gemma_window_matters(model: Any) -> None:
+    """Gemma multiplies its embeddings by sqrt(hidden) (8 here): with std-1.0 embeddings the residual
+    stream drowns the attention output (normalised to rms 1 by its post-attention norm), greedy tokens
+    follow the current token alone and full attention gives the windowed tokens exactly (found in
+    issue 38) — a backend ignoring the window would pass.  Embeddings at 1/8 and the post-attention
+    norms at 2 (Gemma's norms scale by 1 + weight) make attention, and so the window, decide."""
+    import torch
+
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(0.125)
+        for layer in model.model.layers:
+            layer.post_attention_layernorm.weight.fill_(1.0)
 
 
 def random_model(model_type: str, config: dict[str, Any], seed: int = SEED) -> Any:
@@ -183,6 +201,47 @@ def _save(model: Any, target: Path, tokenizer: Path) -> None:
 def _reference(model: Any, prompts: dict[str, Any]) -> dict[str, Any]:
     every = [prompts["single"], *prompts["batch"], *prompts["prefix"]]
     return {" ".join(map(str, p)): _greedy(model, p) for p in every}
+
+
+def _window_check(family: str, model: Any, reference: dict[str, Any], prompts: dict[str, Any]) -> dict[str, Any]:
+    """For a family with a sliding window: transformers with the window removed (full attention in
+    every layer, the same weights) must give other greedy tokens, or a backend that ignores the
+    window would pass as exact.  Raises where the zoo's checkpoint does not discriminate."""
+    window = getattr(model.config, "sliding_window", None)
+    if not window or window > WINDOW or getattr(model.config, "use_sliding_window", True) is False:
+        return {}  # no window, or a config default no test sequence reaches
+    unwindowed = _without_window(model)
+    long = [p for p in [prompts["single"], *prompts["batch"], *prompts["prefix"]] if len(p) > WINDOW]
+    differing = [key(p) for p in long if _greedy(unwindowed, p)["tokens"] != reference[key(p)]["tokens"]]
+    verdict = window_discriminates(key(prompts["single"]), [key(p) for p in long], differing)
+    if not verdict:
+        raise RuntimeError(f"zoo: {family}'s window does not change transformers' greedy tokens enough (full attention differs "
+                           f"on {len(differing)} of the {len(long)} prompts longer than the {WINDOW}-token window, the single "
+                           f"prompt {'included' if key(prompts['single']) in differing else 'not included'}): a backend ignoring the "
+                           "window would pass; change this family's initialisation in zoo.py")
+    return {"window_discriminates": {"differing": len(differing), "of": len(long)}}
+
+
+def window_discriminates(single: str, long: list[str], differing: list[str]) -> bool:
+    """The discrimination rule: with the window removed, the single prompt (the longer-than-window
+    test) and at least half of the prompts longer than the window must give other greedy tokens."""
+    return single in differing and 2 * len(set(differing) & set(long)) >= len(long)
+
+
+def _without_window(model: Any) -> Any:
+    """``model``'s weights under full attention: sliding layers made full and the window beyond any
+    position (Gemma 2 builds its sliding mask whatever the layer types, so the window stays set)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(model.config)
+    if getattr(config, "layer_types", None):
+        config.layer_types = ["full_attention" if t == "sliding_attention" else t for t in config.layer_types]
+    config.sliding_window = 1 << 20
+    full = AutoModelForCausalLM.from_config(config, dtype=model.dtype).eval()
+    full.load_state_dict(model.state_dict())
+    return full
 
 
 def _greedy(model: Any, prompt: list[int]) -> dict[str, Any]:
