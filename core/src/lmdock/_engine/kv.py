@@ -18,9 +18,9 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from lmdock._contract import StepEngine
     from lmdock._engine.scheduler import Scheduler
     from lmdock._engine.sequence import QuerySeq, Seq
+    from lmdock._plugin.contract import StepEngine
 
 log = logging.getLogger("lmdock.engine")
 
