@@ -94,10 +94,10 @@ def measure(batch: int, tokens: int, params: Any, compute_s: float = 0.0, async_
     """Seconds per decode step for ``batch`` concurrent requests of ``tokens`` tokens each: wall time,
     the CPU time of the loop's thread (which a busy machine does not inflate), and the time spent
     in the engine's step."""
+    from lmdock._config.sampling import SchedulerConfig
     from lmdock._engine.runner import StepRunner
     from lmdock._engine.sampler import ReferenceSampler
     from lmdock._engine.scheduler import FcfsScheduler
-    from lmdock._params import SchedulerConfig
     from lmdock._sinks import RequestFuture
     from lmdock.backend import EngineRequest
 

@@ -18,7 +18,7 @@ WRONG_BACKEND = '''
 import dataclasses
 import numpy as np
 import lmdock
-from lmdock._plugins import get_registry
+from lmdock._plugin.manager import get_registry
 from lmdock_template import SPEC
 from lmdock_template._engine import NumpyLlama
 
@@ -100,8 +100,8 @@ WRONG_BACKENDS = '''
 import dataclasses
 import numpy as np
 import lmdock
-from lmdock._loader import _wrap_step_engine
-from lmdock._plugins import get_registry
+from lmdock._plugin.loader import _wrap_step_engine
+from lmdock._plugin.manager import get_registry
 from lmdock_template import SPEC
 from lmdock_template._engine import NumpyLlama
 
@@ -198,7 +198,7 @@ def test_each_wrong_backend_fails_exactly_its_tests(pytester: pytest.Pytester, b
 HOT_SAMPLER = '''
 import dataclasses
 import lmdock
-from lmdock._plugins import get_registry
+from lmdock._plugin.manager import get_registry
 from lmdock.backend import ReferenceSampler
 from lmdock_template import SPEC
 from lmdock_template._engine import NumpyLlama

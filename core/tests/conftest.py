@@ -9,7 +9,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from fakes import FakePlugin  # noqa: E402
-from lmdock import _plugins  # noqa: E402
+from lmdock._plugin import manager as _plugins  # noqa: E402
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Other APIs' spellings read as lmdock's (lmdock._aliases, docs/migrating.md): each foreign argument
+"""Other APIs' spellings read as lmdock's (lmdock._config.foreign, docs/migrating.md): each foreign argument
 resolves to the same model config as lmdock's own spelling, or is refused naming lmdock's equivalent.
 The facade plumbing (prompt dicts, editable defaults, awaitable and streaming futures) runs on the
 FAKE backend; the same idioms on a real model are in plugins/hf/tests/test_foreign_apis.py."""
@@ -25,8 +25,8 @@ from lmdock import (
     StructuredOutput,
     StructuredOutputsParams,
 )
-from lmdock._aliases import CONSTRUCTOR, constructor_options
-from lmdock._loader import resolve_model
+from lmdock._config.foreign import CONSTRUCTOR, constructor_options
+from lmdock._plugin.loader import resolve_model
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
 

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from lmdock._cli import main
+from lmdock._cli.main import main
 
 
 def test_config_mistake_is_one_line_and_exit_2(isolated: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -33,7 +33,7 @@ def test_config_schema_is_json(isolated: Path, capsys: pytest.CaptureFixture[str
 
 def test_missing_model_path_from_cli_has_no_traceback(tmp_path: Path) -> None:
     (tmp_path / "lmdock.toml").write_text('[models.a]\nmodel = "./gone"\n')
-    out = subprocess.run([sys.executable, "-m", "lmdock._cli", "generate", "-m", "a", "hi"], capture_output=True, text=True, cwd=tmp_path)
+    out = subprocess.run([sys.executable, "-m", "lmdock._cli.main", "generate", "-m", "a", "hi"], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
     assert "models.a.model: model path" in out.stderr
@@ -56,7 +56,7 @@ def test_a_late_ctrl_c_does_not_interrupt_the_exit() -> None:
     code = (
         "import atexit, os, signal, sys, time\n"
         "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.2)))\n"
-        "from lmdock._cli import main\n"
+        "from lmdock._cli.main import main\n"
         "sys.argv = ['lmdock', 'backends']\n"
         "sys.exit(main())\n"
     )

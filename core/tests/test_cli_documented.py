@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lmdock._cli import main
-from lmdock._cli_parser import FOREIGN_FLAGS
+from lmdock._cli.main import main
+from lmdock._cli.parser import FOREIGN_FLAGS
 
 
 @pytest.mark.parametrize(("argv", "field", "value"), [
@@ -73,7 +73,7 @@ def test_serves_vllm_flags_map_onto_the_models_sections() -> None:
     """``lmdock serve``'s vLLM flags (docs/server.md) become the model's build and kv_cache settings,
     which each backend then honours or refuses as it does in the config file (the hf refusal of
     ``--tensor-parallel-size`` is in core/tests_serve/test_documented.py)."""
-    from lmdock._cli import _parser, _vllm_options
+    from lmdock._cli.main import _parser, _vllm_options
 
     args = _parser().parse_args(["serve", "m", "--max-model-len", "128", "--dtype", "float32", "-tp", "2",
                                  "--gpu-memory-utilization", "0.5"])

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 from fakes import FakeStepEngine
-from lmdock import LLM, BackendError, _plugins
-from lmdock._cli import main
+from lmdock import LLM, BackendError
+from lmdock._cli.main import main
+from lmdock._plugin import manager as _plugins
 from lmdock.backend import Backend, BackendSpec
 
 
@@ -106,8 +107,8 @@ def test_a_call_dict_takes_openais_names_over_the_defaults(fake: Any) -> None:
 
 def test_every_field_of_the_request_table_has_a_flag_under_each_of_its_names() -> None:
     """The sampling flags come from ``OPENAI_FIELDS``, the table the server and ``lmdock batch`` read."""
-    from lmdock._cli import _parser
-    from lmdock._params import OPENAI_FIELDS
+    from lmdock._cli.main import _parser
+    from lmdock._config.sampling import OPENAI_FIELDS
 
     flags = set(_parser().commands["generate"].flags) & set(_parser().commands["chat"].flags)
     for name, field in OPENAI_FIELDS.items():
@@ -115,8 +116,8 @@ def test_every_field_of_the_request_table_has_a_flag_under_each_of_its_names() -
 
 
 def test_logit_bias_allowed_token_ids_and_bad_words_flags_reach_sampling_params() -> None:
-    from lmdock._cli import _parser
-    from lmdock._cli_sampling import sampling_overrides
+    from lmdock._cli.main import _parser
+    from lmdock._cli.sampling import sampling_overrides
 
     args = _parser().parse_args(["generate", "--logit-bias", "432=-100", "--logit-bias", "7=2.5", "--allowed-token-ids", "1,2",
                                  "--allowed-token-ids", "3", "--bad-words", "cat", "--bad-words", "dog", "--max-completion-tokens", "5",

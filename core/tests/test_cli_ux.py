@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 from lmdock import LLM, SamplingParams
-from lmdock._cli import main
-from lmdock._errors import ConfigError, RequestError
-from lmdock._schema import build
+from lmdock._cli.main import main
+from lmdock._config.schema import build
+from lmdock._plugin.errors import ConfigError, RequestError
 
 GEN = ["generate", "-m", "m", "--backend", "fake", "--max-new-tokens", "6", "--temperature", "1", "--seed", "3"]
 

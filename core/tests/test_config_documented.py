@@ -7,7 +7,8 @@ from typing import Any
 
 import lmdock
 import pytest
-from lmdock import LLM, ConfigError, _plugins
+from lmdock import LLM, ConfigError
+from lmdock._plugin import manager as _plugins
 
 
 class _LastFirst:

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 from fakes import FakeStepEngine
-from lmdock import LLM, SamplingParams, UnsupportedError, _plugins
+from lmdock import LLM, SamplingParams, UnsupportedError
+from lmdock._plugin import manager as _plugins
 from lmdock.backend import Backend, BackendSpec, has_nvidia_gpu
 
 REPO = Path(__file__).resolve().parents[2]

@@ -355,7 +355,7 @@ def test_beam_search_returns_ranked_hypotheses_and_frees_state(fake: FakePlugin)
 
 
 def test_plugin_logits_processors_and_sampler_override(fake: FakePlugin) -> None:
-    from lmdock import _plugins
+    from lmdock._plugin import manager as _plugins
     from lmdock.backend import ReferenceSampler
 
     banned = tok("a")

@@ -15,8 +15,10 @@ from typing import Any
 import lmdock
 import pytest
 from fakes import FakeStepEngine
-from lmdock import LLM, _plugins, _versions
-from lmdock._cli import main
+from lmdock import LLM
+from lmdock._cli.main import main
+from lmdock._plugin import manager as _plugins
+from lmdock._plugin import versions as _versions
 from lmdock.backend import BackendSpec
 
 #: lmdock-eng's Requires-Dist lines as a wheel writes them (specifiers sorted, markers normalized).

@@ -1,4 +1,4 @@
-"""Model features read from a config (lmdock._families) and refused at load where the backend's spec
+"""Model features read from a config (lmdock._plugin.families) and refused at load where the backend's spec
 lacks them (FAKE engines; the real per-family runs are lmdock-conformance's test_families)."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 from fakes import FakeStepEngine
-from lmdock import LLM, UnsupportedError, _plugins
-from lmdock._families import FEATURES, config_features, gguf_features, model_features
+from lmdock import LLM, UnsupportedError
+from lmdock._plugin import manager as _plugins
+from lmdock._plugin.families import FEATURES, config_features, gguf_features, model_features
 from lmdock.backend import CAPABILITIES, Backend, BackendSpec
 
 # Abridged from the config.json transformers 5 writes for each family (the keys the probes read).

@@ -1,4 +1,4 @@
-"""lmdock._grammar_check and lmdock._grammar_pool: a request's grammar is compiled in a worker process
+"""lmdock._grammar.check and lmdock._grammar.processes: a request's grammar is compiled in a worker process
 first (issue 39), with stories260K's real tokenizer (read as JSON by llguidance in the worker).
 
 The crashing grammars overflow llguidance's stack (docs/upstream/llguidance-deep-grammar-crash.md):
@@ -34,7 +34,7 @@ def chained_defs(n: int = N) -> dict[str, Any]:
 def pool() -> Iterator[Any]:
     if not (FOLDER / "tokenizer.json").is_file():
         pytest.fail(f"stories260K not found under LMDOCK_MODELS ({FOLDER}); set LMDOCK_MODELS to the models folder")
-    from lmdock._grammar_pool import GrammarPool
+    from lmdock._grammar.processes import GrammarPool
 
     p = GrammarPool(size=1)
     yield p
@@ -42,7 +42,7 @@ def pool() -> Iterator[Any]:
 
 
 def checker(pool: Any) -> Any:
-    from lmdock._grammar_check import GrammarCheck
+    from lmdock._grammar.check import GrammarCheck
 
     return GrammarCheck(_Tokenizer(), pool)
 
@@ -111,7 +111,7 @@ def test_a_regex_that_can_produce_no_token_is_refused_by_the_check(pool: Any) ->
 
 
 def test_a_check_past_its_deadline_is_refused_and_the_worker_replaced() -> None:
-    from lmdock._grammar_pool import GrammarPool
+    from lmdock._grammar.processes import GrammarPool
 
     pool = GrammarPool(size=1, deadline_s=0.0)  # the reply cannot be there before the deadline
     try:
@@ -131,7 +131,7 @@ def test_bad_grammars_are_refused_naming_the_field(pool: Any) -> None:
 
 
 def test_a_tokenizer_without_a_tokenizers_json_is_checked_against_a_byte_level_stand_in(pool: Any) -> None:
-    from lmdock._grammar_check import GrammarCheck, tokenizer_spec
+    from lmdock._grammar.check import GrammarCheck, tokenizer_spec
 
     class GGUFLike:  # lmdock-llamacpp's tokenizer: no Hugging Face backend to send to a worker
         eos_token_id = 2

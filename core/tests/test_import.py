@@ -29,7 +29,7 @@ def test_import_lmdock_imports_nothing_heavy() -> None:
 
 def test_listing_backends_imports_nothing_heavy() -> None:
     # Loads every installed plugin's entry module (lmdock-hf too, where installed).
-    body = "import lmdock._cli as c, io, contextlib\nwith contextlib.redirect_stdout(io.StringIO()):\n    c.main(['backends'])"
+    body = "import lmdock._cli.main as c, io, contextlib\nwith contextlib.redirect_stdout(io.StringIO()):\n    c.main(['backends'])"
     assert _heavy_after(body) == []
 
 

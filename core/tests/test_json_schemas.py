@@ -1,10 +1,10 @@
-"""The schema rewrites of lmdock._json_schemas: each narrows the schema (every document the copy allows
+"""The schema rewrites of lmdock._config.json_schemas: each narrows the schema (every document the copy allows
 is valid under the original) and takes only subschemas for schemas."""
 
 from __future__ import annotations
 
 import jsonschema
-from lmdock._json_schemas import SAFE_INTEGER, bounded_numbers, closed_objects, strict_schema
+from lmdock._config.json_schemas import SAFE_INTEGER, bounded_numbers, closed_objects, strict_schema
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                             "properties": {"type": "object", "properties": {"x": {"const": {"type": "integer"}}}}},

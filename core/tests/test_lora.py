@@ -10,8 +10,9 @@ from typing import Any
 import lmdock
 import pytest
 from fakes import FakeStepEngine
-from lmdock import LLM, LoRARequest, RequestError, SamplingParams, UnsupportedError, _plugins
+from lmdock import LLM, LoRARequest, RequestError, SamplingParams, UnsupportedError
 from lmdock._engine.prefix_cache import PromptCache
+from lmdock._plugin import manager as _plugins
 from lmdock.backend import BackendSpec, SeqChunk, StepOutput
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""``lmdock.ModelPool``'s policy (``lmdock/_pool.py``): loading on first use, one load for concurrent
+"""``lmdock.ModelPool``'s policy (``lmdock/_models/pool.py``): loading on first use, one load for concurrent
 first uses, LRU idle eviction under ``max_loaded_models`` and a measured memory budget, holds,
 ``pin``, ``keep_alive``, failed loads.  Plumbing only: every model here is the FAKE backend (the real
 engine's run is in plugins/hf/tests/test_model_pool_hf.py, the server's in core/tests_serve/test_pool.py).

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from fakes import PIECES, FakePlugin, FakeStepEngine, FakeTokenizer
 from lmdock import LLM, RequestError, SamplingParams
-from lmdock._contract import SeqChunk, StepOutput
+from lmdock._plugin.contract import SeqChunk, StepOutput
 
 
 def tok(piece: str) -> int:
@@ -92,7 +92,7 @@ def handing_worker(plugin: FakePlugin) -> type:
 
 
 def test_output_work_runs_on_the_helper_while_the_engine_steps(isolated: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    from lmdock import _plugins
+    from lmdock._plugin import manager as _plugins
 
     inline_plugin = FakePlugin()
     _plugins.get_registry().add_plugin(inline_plugin, "fake")
@@ -167,7 +167,7 @@ def poisoned(at: int) -> FakeStepEngine:
 @pytest.mark.usefixtures("host_overlap")
 @pytest.mark.parametrize("at", [3, 8], ids=["midway", "last-token"])
 def test_a_detokenizer_failure_fails_its_request_alone(isolated: object, at: int) -> None:
-    from lmdock import _plugins
+    from lmdock._plugin import manager as _plugins
 
     plugin = FakePlugin(factory=lambda: poisoned(at))
     _plugins.get_registry().add_plugin(plugin, "fake")
@@ -184,7 +184,7 @@ def test_a_detokenizer_failure_fails_its_request_alone(isolated: object, at: int
 
 @pytest.mark.parametrize(("engine_says", "setting", "on_helper"), [(True, None, True), (False, None, False), (False, True, True), (True, False, False)])
 def test_scheduler_async_output_overrides_the_engine(isolated: object, engine_says: bool, setting: bool | None, on_helper: bool) -> None:
-    from lmdock import _plugins
+    from lmdock._plugin import manager as _plugins
 
     class Engine(TimedEngine):
         overlap_host_work = engine_says

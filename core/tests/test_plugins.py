@@ -11,7 +11,8 @@ from pathlib import Path
 import lmdock
 import pytest
 from fakes import FakePlugin
-from lmdock import LLM, BackendError, PluginError, _plugins
+from lmdock import LLM, BackendError, PluginError
+from lmdock._plugin import manager as _plugins
 from lmdock.backend import BackendSpec
 
 
@@ -59,7 +60,7 @@ def run(site: Path, code: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 
 def backends_json(site: Path, **env: str) -> dict[str, dict]:
-    out = run(site, "import lmdock._cli as c; c.main(['backends', '--json'])", **env)
+    out = run(site, "import lmdock._cli.main as c; c.main(['backends', '--json'])", **env)
     assert out.returncode == 0, out.stderr
     return {row["name"]: row for row in json.loads(out.stdout)}
 
@@ -82,7 +83,7 @@ def test_selecting_a_broken_plugin_names_it_and_the_cause(site: Path) -> None:
 
 
 def test_cli_reports_a_broken_plugin_in_one_line(site: Path) -> None:
-    out = run(site, "import sys, lmdock._cli as c; sys.exit(c.main(['generate', '-m', 'x', '--backend', 'explodes', 'hi']))")
+    out = run(site, "import sys, lmdock._cli.main as c; sys.exit(c.main(['generate', '-m', 'x', '--backend', 'explodes', 'hi']))")
     assert out.returncode == 2
     assert out.stderr.startswith("lmdock: error: backend 'explodes': plugin 'explodes'")
     assert "Traceback" not in out.stderr

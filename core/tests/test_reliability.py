@@ -21,10 +21,10 @@ from lmdock import (
     PluginError,
     RequestError,
     SamplingParams,
-    _plugins,
 )
 from lmdock import hookimpl as lmdock_hookimpl
 from lmdock._outputs import RequestOutput
+from lmdock._plugin import manager as _plugins
 from lmdock._sinks import RequestFuture
 from lmdock.backend import BackendSpec
 

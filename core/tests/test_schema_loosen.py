@@ -1,4 +1,4 @@
-"""JSON-schema keywords llguidance does not implement (``lmdock._json_schemas.loosened``): llguidance
+"""JSON-schema keywords llguidance does not implement (``lmdock._config.json_schemas.loosened``): llguidance
 refuses each one (checked here on its own, through the engine's compile path over stories260K's
 tokenizer), the loosened schema compiles, the keyword is named unless it asks for nothing, and a
 tool call is checked against the schema the client sent (``jsonschema``, outside the code under test)."""
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from lmdock import RequestError
-from lmdock._json_schemas import UNIMPLEMENTED, loosened
+from lmdock._config.json_schemas import UNIMPLEMENTED, loosened
 from lmdock.tools import ChatPlan
 from test_structured import _params, factory  # noqa: F401 - the fixture
 

@@ -71,7 +71,7 @@ def test_a_models_pool_keys_are_read_and_checked(isolated: Path) -> None:
 
 
 def test_replica_keys_are_read_per_model_over_the_server_table(isolated: Path) -> None:
-    from lmdock._replicas import replica_plan
+    from lmdock._models.replicas import replica_plan
 
     path = isolated / "lmdock.toml"
     path.write_text('[server]\nreplicas = 3\nray_actor_options = { num_cpus = 0.5 }\n'

@@ -172,7 +172,7 @@ def test_a_tokenizer_without_a_tokenizers_backend_is_named() -> None:
 
 def test_the_builtin_hook_answers_with_the_llguidance_factory() -> None:
     from lmdock._engine.structured import ConstraintFactory
-    from lmdock._plugins import get_registry
+    from lmdock._plugin.manager import get_registry
 
     reg = get_registry()
     made = reg.pm.hook.lmdock_make_constraints(backend="any", model_config=None, tokenizer=_Tokenizer(), vocab_size=VOCAB, eos_token_ids=(EOS,))

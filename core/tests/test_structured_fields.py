@@ -1,12 +1,12 @@
 """The request fields that constrain the output, mapped to ``structured_output`` once for the server
-and ``lmdock batch`` (lmdock._structured_fields): what each becomes, and each refusal naming its field."""
+and ``lmdock batch`` (lmdock._config.structured_fields): what each becomes, and each refusal naming its field."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
-from lmdock._structured_fields import FieldRefused, structured_output
+from lmdock._config.structured_fields import FieldRefused, structured_output
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 

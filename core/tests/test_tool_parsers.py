@@ -309,7 +309,7 @@ def test_the_guides_plugin_example_registers_a_parser() -> None:
     import types
     from pathlib import Path
 
-    from lmdock._plugins import get_registry
+    from lmdock._plugin.manager import get_registry
     from lmdock.tools import _registry
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "tools.md").read_text()

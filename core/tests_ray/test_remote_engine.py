@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from lmdock._errors import EngineClosedError
 from lmdock._outputs import CompletionOutput, RequestOutput
+from lmdock._plugin.errors import EngineClosedError
 from lmdock._sinks import QueueSink
 from lmdock.server._ray import RETRIES, RemoteEngine
 from ray.exceptions import ActorDiedError

@@ -327,9 +327,9 @@ def test_openai_routes_clamp_when_configured(plain: Server) -> None:
 
 
 def test_max_tokens_past_context_is_checked_in_the_config() -> None:
-    from lmdock._errors import ConfigError
-    from lmdock._params import ServerConfig
-    from lmdock._schema import build
+    from lmdock._config.sampling import ServerConfig
+    from lmdock._config.schema import build
+    from lmdock._plugin.errors import ConfigError
 
     assert build(ServerConfig, {"max_tokens_past_context": "clamp"}).max_tokens_past_context == "clamp"
     with pytest.raises(ConfigError, match="max_tokens_past_context"):

@@ -2,7 +2,7 @@
 
 A Lark grammar of 5,000 chained rules and a tool schema whose ``$defs`` chain 5,000 deep overflow
 llguidance's stack (docs/upstream/llguidance-deep-grammar-crash.md); the server checks every grammar
-in a worker process first (``lmdock._grammar_check``), so the worker dies, the request gets a 400
+in a worker process first (``lmdock._grammar.check``), so the worker dies, the request gets a 400
 naming its grammar, and the next ordinary request gets stories260K's documented greedy text.
 """
 

@@ -16,7 +16,8 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from lmdock import LLM, ConfigError, ServerConfig, _plugins
+from lmdock import LLM, ConfigError, ServerConfig
+from lmdock._plugin import manager as _plugins
 from lmdock.backend import Backend, BackendSpec
 from lmdock.server import ServedModel, create_app
 from lmdock.server._run import is_loopback, resolve_api_key
@@ -118,7 +119,7 @@ def test_loopback_addresses() -> None:
 
 @pytest.mark.parametrize("port", ["70000", "-1", "http"])
 def test_a_port_out_of_range_is_refused_before_anything_binds(port: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from lmdock._cli import main
+    from lmdock._cli.main import main
 
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--port", port])
@@ -344,7 +345,7 @@ def test_a_lone_surrogate_is_a_400_not_a_500(registry: None, route: str, body: d
 
 def test_serve_help_names_every_route(registry: None, capsys: pytest.CaptureFixture[str]) -> None:
     """`lmdock serve --help` lists what the app serves (read from the app's own routes)."""
-    from lmdock._cli import main
+    from lmdock._cli.main import main
 
     llm = _llm(FakeStepEngine)
     try:
@@ -378,7 +379,7 @@ def test_vllm_style_serve_path_with_vllms_flags(tmp_path: Path) -> None:
 
 
 def test_served_model_name_names_one_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from lmdock._cli import main
+    from lmdock._cli.main import main
 
     (tmp_path / "lmdock.toml").write_text('[models.a]\nmodel = "x"\n[models.b]\nmodel = "y"\n', encoding="utf-8")
     code = main(["serve", "--config", str(tmp_path / "lmdock.toml"), "-m", "a", "-m", "b", "--served-model-name", "z"])

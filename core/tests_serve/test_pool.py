@@ -235,7 +235,7 @@ def test_a_memory_budget_unloads_idle_models_and_refuses_past_busy_ones(budget: 
 
 def test_more_models_loaded_at_start_than_max_loaded_models_stops_the_server(tmp_path: Path,
                                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    from lmdock._cli import main
+    from lmdock._cli.main import main
 
     (tmp_path / "lmdock.toml").write_text("[server]\nmax_loaded_models = 1\n" + _entry("a", "pin = true") + _entry("b", "preload = true"),
                                           encoding="utf-8")

@@ -51,7 +51,7 @@ def _table_of(header: str) -> str | None:
 
 
 def _schema_knows(table: str, key: str) -> bool:
-    from lmdock._config import config_schema
+    from lmdock._config.file import config_schema
 
     schema = config_schema()
     props = schema["properties"]

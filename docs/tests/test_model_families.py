@@ -44,8 +44,8 @@ def test_the_model_families_page_is_current() -> None:
 
 @pytest.mark.parametrize("backend", sorted(p.stem for p in (ROOT / "docs" / "families").glob("*.json")))
 def test_each_outcome_agrees_with_the_declaration(backend: str) -> None:
-    from lmdock._declare import family_refusal
-    from lmdock._families import ModelFeatures
+    from lmdock._plugin.declare import family_refusal
+    from lmdock._plugin.families import ModelFeatures
 
     spec = _spec(backend)
     run = _generator().load()[backend]

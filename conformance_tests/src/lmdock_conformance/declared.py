@@ -153,7 +153,7 @@ CHECKS = {
 
 def every_declared_capability_works(backend: str, model: str, **load_options: Any) -> None:
     """Exercise each capability the backend's spec supports (a declared one with no check fails)."""
-    from lmdock._plugins import get_registry
+    from lmdock._plugin.manager import get_registry
 
     declared = sorted(get_registry().backend(backend).supports)
     unchecked = [c for c in declared if c not in CHECKS]
@@ -165,7 +165,7 @@ def every_declared_capability_works(backend: str, model: str, **load_options: An
 
 def declared_quantization_algorithms_load_and_generate(backend: str, model: str, **load_options: Any) -> None:
     """Each QuantConfig algorithm the spec honours (it names a tolerance for it) loads and generates."""
-    from lmdock._plugins import get_registry
+    from lmdock._plugin.manager import get_registry
 
     spec = get_registry().backend(backend)
     algos = [a for a in ALGOS if a in spec.tolerances]

@@ -111,7 +111,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def _spec(config: pytest.Config) -> Any:
-    from lmdock._plugins import get_registry
+    from lmdock._plugin.manager import get_registry
 
     return get_registry().backend(config.getoption("--lmdock-backend"))
 
@@ -156,7 +156,7 @@ def reference_sampler_first() -> Any:
 def lmdock_setup(pytestconfig: pytest.Config) -> Setup:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if pytestconfig.getoption("--lmdock-sampler") == "reference":
-        from lmdock._plugins import get_registry
+        from lmdock._plugin.manager import get_registry
 
         get_registry().add_plugin(reference_sampler_first(), "lmdock-conformance-reference-sampler")
     return Setup(pytestconfig)

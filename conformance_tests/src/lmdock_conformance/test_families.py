@@ -63,7 +63,7 @@ def _not_converted(converted: str | None, family: str) -> str:
 @pytest.fixture(scope="module")
 def family_llm(lmdock_setup: Any, pytestconfig: pytest.Config, zoo_family: str, family_model: str) -> Iterator[Any]:
     """The family's engine, or None where the backend refused it at load (the reason is recorded)."""
-    from lmdock._families import model_features
+    from lmdock._plugin.families import model_features
 
     found = model_features(family_model)
     if found is not None:
@@ -84,7 +84,7 @@ def _llm(setup: Any, config: pytest.Config, model: str, **extra: Any) -> Any:
     if not config.getoption("--lmdock-zoo-probe"):
         return LLM(model, backend=setup.backend, **{**setup.options, **extra})
     with pytest.MonkeyPatch.context() as patch:  # what the engine does where nothing refuses the model
-        patch.setattr("lmdock._declare.refuse_unsupported_family", lambda spec, model: None)
+        patch.setattr("lmdock._plugin.declare.refuse_unsupported_family", lambda spec, model: None)
         return LLM(model, backend=setup.backend, **{**setup.options, **extra})
 
 
@@ -109,7 +109,7 @@ def _check(zoo: dict[str, Any], family: str, prompts: list[list[int]], outputs: 
 
 def test_loads_or_is_refused_naming_the_family_and_the_missing_feature(lmdock_setup: Any, family_llm: Any, zoo_family: str,
                                                                        family_model: str) -> None:
-    from lmdock._families import model_features
+    from lmdock._plugin.families import model_features
 
     found = model_features(family_model)
     spec = lmdock_setup.spec

@@ -78,7 +78,7 @@ def test_preemption_under_a_small_kv_budget_gives_the_same_tokens(llm: Any, lmdo
 def failing_processor(lmdock_setup: Any) -> Any:
     """A plugin whose logits processor raises for requests with seed 4242."""
     import lmdock
-    from lmdock._plugins import get_registry
+    from lmdock._plugin.manager import get_registry
 
     if lmdock_setup.spec.kind != "step":
         pytest.skip("logits-processor plugins run in the core's sampler, which request engines do not use")

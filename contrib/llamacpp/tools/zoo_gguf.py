@@ -53,7 +53,7 @@ def _error_line(log: str) -> str:
 
 def lost(config: dict[str, Any], gguf: Path) -> str | None:
     """What the checkpoint needs that the GGUF does not hold, or None."""
-    from lmdock._families import config_features, gguf_features, read_gguf_metadata
+    from lmdock._plugin.families import config_features, gguf_features, read_gguf_metadata
 
     want, got = config_features(config), gguf_features(gguf)
     if got is None:

@@ -7,19 +7,20 @@ first access (they pull asyncio, concurrent.futures and pluggy), as is ``ModelPo
 
 from __future__ import annotations
 
-from lmdock._aliases import QuantAlgo
 from lmdock._beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from lmdock._config import ConfigFile, config_schema, find_config, load_config
-from lmdock._errors import (
-    BackendError,
-    ConfigError,
-    EngineClosedError,
-    GrammarError,
-    LmdockError,
-    PluginError,
-    QueueFullError,
-    RequestError,
-    UnsupportedError,
+from lmdock._config.file import ConfigFile, config_schema, find_config, load_config
+from lmdock._config.foreign import QuantAlgo
+from lmdock._config.sampling import (
+    BuildConfig,
+    KvCacheConfig,
+    ModelConfig,
+    OffloadPolicy,
+    PoolingParams,
+    QuantConfig,
+    SamplingParams,
+    SchedulerConfig,
+    ServerConfig,
+    StructuredOutput,
 )
 from lmdock._lora import LoRARequest
 from lmdock._outputs import (
@@ -31,17 +32,16 @@ from lmdock._outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from lmdock._params import (
-    BuildConfig,
-    KvCacheConfig,
-    ModelConfig,
-    OffloadPolicy,
-    PoolingParams,
-    QuantConfig,
-    SamplingParams,
-    SchedulerConfig,
-    ServerConfig,
-    StructuredOutput,
+from lmdock._plugin.errors import (
+    BackendError,
+    ConfigError,
+    EngineClosedError,
+    GrammarError,
+    LmdockError,
+    PluginError,
+    QueueFullError,
+    RequestError,
+    UnsupportedError,
 )
 from lmdock._tokenizer import Tokenizer
 
@@ -57,11 +57,11 @@ _LAZY = {
     "AsyncLM": ("lmdock._genlm", "AsyncLM"),
     "LLM": ("lmdock._llm", "LLM"),
     "load_model_by_name": ("lmdock._genlm", "load_model_by_name"),
-    "ModelBusyError": ("lmdock._pool", "ModelBusyError"),
-    "ModelPool": ("lmdock._pool", "ModelPool"),
-    "PoolFullError": ("lmdock._pool", "PoolFullError"),
+    "ModelBusyError": ("lmdock._models.pool", "ModelBusyError"),
+    "ModelPool": ("lmdock._models.pool", "ModelPool"),
+    "PoolFullError": ("lmdock._models.pool", "PoolFullError"),
     "RequestFuture": ("lmdock._sinks", "RequestFuture"),
-    "hookimpl": ("lmdock._hooks", "hookimpl"),
+    "hookimpl": ("lmdock._plugin.markers", "hookimpl"),
     "backend": ("lmdock.backend", None),
 }
 

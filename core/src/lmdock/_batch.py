@@ -5,7 +5,7 @@ through ``LLM.generate_async`` (continuous batching), embeddings through ``LLM.e
 threads (the pooling runner batches their calls together).  Each output line is ``{"id",
 "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``, as OpenAI's batch output
 is, its body what ``lmdock serve`` answers (logprobs and embeddings in the same shapes, from the same
-``lmdock._logprobs`` and ``lmdock._openai_embeddings``), appended and flushed as each request
+``lmdock._logprobs`` and ``lmdock._openai.embeddings``), appended and flushed as each request
 finishes: an interrupted run loses nothing already done, and a rerun skips the custom_ids OUTPUT holds.
 
 A line that cannot run becomes an error line (``"response": null, "error": {"code", "message"}``).
@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from lmdock._batch_lines import Line, LineError, Request, done_ids, parse_request, read_lines, sampling_overrides
-from lmdock._errors import LmdockError, UnsupportedError
 from lmdock._logprobs import chat_logprobs, legacy_logprobs
-from lmdock._openai_embeddings import embedding_prompts, embeddings_response
+from lmdock._openai.batch_lines import Line, LineError, Request, done_ids, parse_request, read_lines, sampling_overrides
+from lmdock._openai.embeddings import embedding_prompts, embeddings_response
+from lmdock._plugin.errors import LmdockError, UnsupportedError
 from lmdock._progress import Progress
 
 #: Requests in flight at once (the rest of the file waits, so a huge file does not fill the queue).
@@ -115,8 +115,8 @@ class _Runner:
     def submit(self, request: Request, pool: concurrent.futures.Executor) -> concurrent.futures.Future[Any]:
         llm, body = self.llm, request.body
         if request.url == "/v1/embeddings":
-            from lmdock._params import PoolingParams
-            from lmdock._schema import build
+            from lmdock._config.sampling import PoolingParams
+            from lmdock._config.schema import build
 
             fields = {k: body[k] for k in ("dimensions", "truncate_prompt_tokens") if body.get(k) is not None}
             pooling = build(PoolingParams, fields, source="<line>", prefix="body") if fields else None

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmdock._config.sampling import SamplingParams, StructuredOutput
 from lmdock._outputs import PositionLogprobs
-from lmdock._params import SamplingParams, StructuredOutput
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from lmdock._errors import ConfigError
-from lmdock._params import SamplingParams
+from lmdock._config.sampling import SamplingParams
+from lmdock._plugin.errors import ConfigError
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 

@@ -15,23 +15,23 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from lmdock._aliases import constructor_options
-from lmdock._config import SERVE_ONLY_KEYS
-from lmdock._contract import EngineRequest, RequestEngine
-from lmdock._errors import ConfigError, EngineClosedError, QueueFullError, RequestError, UnsupportedError
-from lmdock._loader import load_engine, resolve_model
+from lmdock._config.file import SERVE_ONLY_KEYS
+from lmdock._config.foreign import constructor_options
+from lmdock._config.sampling import EditableSamplingParams, SamplingParams, StructuredOutput
+from lmdock._config.schema import build, resolve_aliases
 from lmdock._lora import LoRAArg, LoRARequest, lora_per_prompt
 from lmdock._outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
-from lmdock._params import EditableSamplingParams, SamplingParams, StructuredOutput
+from lmdock._plugin.contract import EngineRequest, RequestEngine
+from lmdock._plugin.errors import ConfigError, EngineClosedError, QueueFullError, RequestError, UnsupportedError
+from lmdock._plugin.loader import load_engine, resolve_model
 from lmdock._pooling_calls import PoolingArg, PoolingCalls
 from lmdock._progress import Progress
 from lmdock._prompts import Prompt, as_batch, as_prompt, content_as, indexed, indexed_error, token_id_prompts, truncated
-from lmdock._schema import build, resolve_aliases
 from lmdock._sinks import AsyncQueueSink, QueueSink, RequestFuture
 
 if TYPE_CHECKING:
-    from lmdock._contract import BackendSpec
-    from lmdock._params import ModelConfig
+    from lmdock._config.sampling import ModelConfig
+    from lmdock._plugin.contract import BackendSpec
 
 #: Sampling parameters as a call takes them: complete params, overrides of the defaults, or None.
 ParamsArg = SamplingParams | dict[str, Any] | None
@@ -66,7 +66,7 @@ class LLM:
         ``quantization=QuantConfig(...)``, ``sampling={...}``, ``backends={"hf": {...}}``...),
         applied over the config file's entry; vLLM's, TensorRT-LLM's and furiosa-llm's own arguments
         (``dtype=``, ``max_model_len=``, ``build_config=``, ``artifact_path=``...) are read as the keys they
-        mean, or refused with lmdock's equivalent (``lmdock._aliases``, docs/migrating.md).
+        mean, or refused with lmdock's equivalent (``lmdock._config.foreign``, docs/migrating.md).
     """
 
     def __init__(
@@ -132,7 +132,7 @@ class LLM:
     @property
     def engine(self) -> RequestEngine:
         if self._engine is None:
-            from lmdock._errors import EngineClosedError
+            from lmdock._plugin.errors import EngineClosedError
 
             raise EngineClosedError("this LLM was shut down; create a new one")
         return self._engine
@@ -177,7 +177,7 @@ class LLM:
     def sampling_params(self, overrides: ParamsArg = None) -> SamplingParams:
         """The SamplingParams a call given ``overrides`` runs with: a dict's SamplingParams fields over
         :meth:`get_default_sampling_params` (a front end maps OpenAI's names first, through
-        ``lmdock._params.OPENAI_FIELDS``); complete SamplingParams as they are; None, the defaults.
+        ``lmdock._config.sampling.OPENAI_FIELDS``); complete SamplingParams as they are; None, the defaults.
         Raises ConfigError naming the field for a value out of range or an unknown field."""
         return self._params(overrides)
 
@@ -246,7 +246,7 @@ class LLM:
             await self._grammars().acheck(params.structured_output)
 
     def _grammars(self) -> Any:
-        from lmdock._grammar_check import GrammarCheck
+        from lmdock._grammar.check import GrammarCheck
 
         if self._grammar_check is None:  # the tokenizer is read on the first structured request
             self._grammar_check = GrammarCheck(self.tokenizer)
@@ -538,7 +538,7 @@ class LLM:
     def _logprob_engine(self) -> Any:
         engine = self.engine
         if not hasattr(engine, "next_token_logprobs"):
-            from lmdock._errors import UnsupportedError
+            from lmdock._plugin.errors import UnsupportedError
 
             _, reason = self.backend.capability("next_token_logprobs")
             raise UnsupportedError(f"backend {self.backend.name!r} has no next_token_logprobs: {reason}")

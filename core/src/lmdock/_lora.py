@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmdock._errors import RequestError, listed
+from lmdock._plugin.errors import RequestError, listed
 
 #: A name an adapter may be served under (``MODEL:ADAPTER``): letters, digits, '.', '_' and '-', at
 #: most 64 of them (every 404 and ``/v1/models`` lists the names: their size is the server's to bound).

@@ -7,12 +7,12 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lmdock._contract import PoolingInput
-from lmdock._errors import RequestError, UnsupportedError
+from lmdock._config.sampling import ModelConfig, PoolingParams
+from lmdock._config.schema import build
 from lmdock._outputs import EmbeddingOutput, EmbeddingRequestOutput, ScoringOutput, ScoringRequestOutput
-from lmdock._params import ModelConfig, PoolingParams
+from lmdock._plugin.contract import PoolingInput
+from lmdock._plugin.errors import RequestError, UnsupportedError
 from lmdock._prompts import Prompt, indexed
-from lmdock._schema import build
 
 #: Pooling parameters as a call takes them: complete params, a dict of fields, or None (the defaults).
 PoolingArg = PoolingParams | dict[str, Any] | None

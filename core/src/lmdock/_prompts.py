@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lmdock._errors import RequestError
+from lmdock._plugin.errors import RequestError
 
 #: A prompt: text, token ids (TensorRT-LLM style), or vLLM's ``TextPrompt`` / ``TokensPrompt`` dict.
 Prompt = str | Sequence[int] | dict[str, Any]

@@ -11,7 +11,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lmdock._contract import (
+from lmdock._config.sampling import ModelConfig, PoolingParams
+from lmdock._engine.adapter_cache import AdapterCache
+from lmdock._engine.step_engine import StepEngineBase
+from lmdock._lora import LoRAModule, read_lora_adapter
+from lmdock._outputs import CompletionOutput, Logprob, RequestOutput
+from lmdock._plugin.contract import (
     CAPABILITIES,
     PLUGIN_API_VERSION,
     BackendSpec,
@@ -24,15 +29,10 @@ from lmdock._contract import (
     StepEngine,
     StepOutput,
 )
-from lmdock._declare import Backend, has_nvidia_gpu
-from lmdock._engine.adapter_cache import AdapterCache
-from lmdock._engine.step_engine import StepEngineBase
-from lmdock._errors import BackendError, EngineClosedError, RequestError, UnsupportedError
-from lmdock._files import read_model_json
-from lmdock._hooks import hookimpl
-from lmdock._lora import LoRAModule, read_lora_adapter
-from lmdock._outputs import CompletionOutput, Logprob, RequestOutput
-from lmdock._params import ModelConfig, PoolingParams
+from lmdock._plugin.declare import Backend, has_nvidia_gpu
+from lmdock._plugin.errors import BackendError, EngineClosedError, RequestError, UnsupportedError
+from lmdock._plugin.markers import hookimpl
+from lmdock._plugin.model_files import read_model_json
 from lmdock._sinks import safe_fail, safe_put
 from lmdock._tokenizer import Tokenizer
 
@@ -69,7 +69,7 @@ def __getattr__(name: str) -> Any:
 def build_options(cls: type, data: dict[str, Any], *, source: str | None = None, prefix: str = "") -> Any:
     """Build a backend's options dataclass from a config table, with lmdock's validation and errors
     (a ``ConfigError`` naming the file and key path)."""
-    from lmdock._schema import build
+    from lmdock._config.schema import build
 
     return build(cls, data, source=source, prefix=prefix)
 

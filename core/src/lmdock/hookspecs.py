@@ -2,7 +2,7 @@
 
 Plugins implement these with ``@lmdock.hookimpl`` and register through the ``lmdock`` entry-point
 group.  The core's own defaults (the FCFS scheduler, the reference sampler) are ordinary plugins in
-``lmdock._builtin``: a plugin overrides them the same way a third party would, by returning a
+``lmdock._plugin.builtin``: a plugin overrides them the same way a third party would, by returning a
 non-None result first (``tryfirst=True``).
 
 Every hook is called in the process that holds the ``LLM``.  Hooks marked *firstresult* stop at the
@@ -15,12 +15,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lmdock._contract import BackendSpec, RequestEngine, StepEngine
+    from lmdock._config.sampling import ModelConfig, QuantConfig, SamplingParams, SchedulerConfig
     from lmdock._engine.sampler import LogitsProcessor, Sampler
     from lmdock._engine.scheduler import Scheduler
-    from lmdock._params import ModelConfig, QuantConfig, SamplingParams, SchedulerConfig
+    from lmdock._plugin.contract import BackendSpec, RequestEngine, StepEngine
 
-from lmdock._hooks import hookspec  # noqa: E402
+from lmdock._plugin.markers import hookspec  # noqa: E402
 
 # -------------------------------------------------------------------------------------------------
 # registration

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 from lmdock import LLM
-from lmdock._cli import main
+from lmdock._cli.main import main
 from stories_facts import GREEDY_40_TEXT, PROMPT, stories_path
 
 
@@ -131,7 +131,7 @@ def test_batch_embeddings_on_a_generative_model_stop_the_run(tmp_path: Path, cap
 
 def test_batch_structured_output_fields_as_the_server_maps_them(tmp_path: Path) -> None:
     """guided_*, structured_outputs and response_format go through the server's mapping
-    (lmdock._structured_fields); one that cannot be honoured is that line's error, the others run."""
+    (lmdock._config.structured_fields); one that cannot be honoured is that line's error, the others run."""
     import jsonschema
 
     model = stories_path()

@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 import pytest
-from lmdock._cli import main
+from lmdock._cli.main import main
 from stories_facts import GREEDY_40, PROMPT, stories_path
 
 

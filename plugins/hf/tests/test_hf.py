@@ -33,7 +33,7 @@ def test_greedy_reference_through_python(llm: Any) -> None:
 
 def test_greedy_reference_through_the_cli_and_example_config(stories: str) -> None:
     env = {**os.environ, "LMDOCK_MODELS": os.path.dirname(stories), "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "lmdock._cli", "generate", "-m", "stories", PROMPT, "--json"]
+    cmd = [sys.executable, "-m", "lmdock._cli.main", "generate", "-m", "stories", PROMPT, "--json"]
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)[0]["outputs"][0]

@@ -36,7 +36,7 @@ def test_config_pooling_table_overrides_the_model_files(minilm: str) -> None:
 
 
 def test_cli_embed_prints_json(minilm: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from lmdock._cli import main
+    from lmdock._cli.main import main
 
     assert main(["embed", "-m", minilm, "--backend", "hf", "--dimensions", "8", "a cat sits", "東京"]) == 0
     rows = json.loads(capsys.readouterr().out)

@@ -11,7 +11,7 @@ from contract import check_kwargs, contract, enum_members, fields
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lmdock import LLM, BackendError, QuantConfig, SamplingParams, UnsupportedError
-from lmdock._config import model_config
+from lmdock._config.file import model_config
 from lmdock_trtllm._refs import ConfigRef, EnumRef, TensorRef
 from lmdock_trtllm._translate import (
     LEGACY_KV_QUANT,
@@ -271,7 +271,7 @@ def test_any_model_config_translates_to_accepted_arguments_or_is_refused(section
 
 
 def test_listed_as_unavailable_with_the_reason() -> None:
-    from lmdock._plugins import get_registry, reset_registry
+    from lmdock._plugin.manager import get_registry, reset_registry
 
     reset_registry()
     spec = get_registry().backend("trtllm")

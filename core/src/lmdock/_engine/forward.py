@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmdock._contract import SeqChunk, StepEngine
 from lmdock._engine.sequence import QuerySeq, Seq
-from lmdock._errors import BackendError
+from lmdock._plugin.contract import SeqChunk, StepEngine
+from lmdock._plugin.errors import BackendError
 
 
 def chunk_for(seq: Seq | QuerySeq, n: int) -> SeqChunk:

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from lmdock._engine.failures import settle_future
-from lmdock._errors import EngineClosedError
+from lmdock._plugin.errors import EngineClosedError
 from lmdock._sinks import safe_fail
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from lmdock._contract import EngineRequest, OutputSink
     from lmdock._engine.sampler import LogitsProcessor
+    from lmdock._plugin.contract import EngineRequest, OutputSink
 
 
 @dataclass(frozen=True)

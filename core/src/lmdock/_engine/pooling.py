@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from lmdock._contract import PoolingEngine, PoolingInput
-from lmdock._errors import BackendError, EngineClosedError, UnsupportedError
-from lmdock._files import read_model_json
+from lmdock._plugin.contract import PoolingEngine, PoolingInput
+from lmdock._plugin.errors import BackendError, EngineClosedError, UnsupportedError
+from lmdock._plugin.model_files import read_model_json
 
 #: sentence-transformers' ``1_Pooling/config.json`` modes lmdock pools with.
 _ST_MODES = {"pooling_mode_cls_token": "CLS", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_lasttoken": "LAST"}

@@ -15,7 +15,7 @@ from lmdock._engine.prefix_cache import PrefixCache
 from lmdock._engine.sampler import log_softmax
 from lmdock._engine.scheduler import Scheduler
 from lmdock._engine.sequence import QuerySeq
-from lmdock._errors import LmdockError
+from lmdock._plugin.errors import LmdockError
 
 
 class Queries:

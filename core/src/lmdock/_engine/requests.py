@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from lmdock._contract import StepEngine
 from lmdock._engine.failures import Failure
 from lmdock._engine.inbox import Add
 from lmdock._engine.kv import KV
@@ -17,7 +16,8 @@ from lmdock._engine.output import OutputProcessor
 from lmdock._engine.queries import Queries
 from lmdock._engine.scheduler import Scheduler, add_beside
 from lmdock._engine.sequence import QuerySeq, Req, Seq
-from lmdock._errors import LmdockError
+from lmdock._plugin.contract import StepEngine
+from lmdock._plugin.errors import LmdockError
 from lmdock._sinks import safe_fail, safe_put
 
 

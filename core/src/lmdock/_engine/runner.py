@@ -39,7 +39,6 @@ from typing import Any
 
 import numpy as np
 
-from lmdock._contract import EngineRequest, OutputSink, SeqChunk
 from lmdock._engine.beam_step import BeamStepper
 from lmdock._engine.biases import bad_words_ids
 from lmdock._engine.failures import as_request_error, guard
@@ -57,7 +56,8 @@ from lmdock._engine.scheduler import Scheduler
 from lmdock._engine.sequence import QuerySeq, Req, Seq, live
 from lmdock._engine.step_engine import StepEngineBase, as_step_engine
 from lmdock._engine.validate import check_ids, check_request, compile_constraints, load_lora, prepare_lora
-from lmdock._errors import BackendError, EngineClosedError, RequestError
+from lmdock._plugin.contract import EngineRequest, OutputSink, SeqChunk
+from lmdock._plugin.errors import BackendError, EngineClosedError, RequestError
 
 log = logging.getLogger("lmdock.engine")
 
@@ -73,7 +73,7 @@ class StepRunner:
     without :class:`lmdock.backend.StepEngineBase` is seen through it: ``as_step_engine``).
 
     ``processors_for(params)`` returns the request's logits processors, each already named after the
-    plugin that contributed it (see ``lmdock._loader``); it is called in the submitting thread, so a
+    plugin that contributed it (see ``lmdock._plugin.loader``); it is called in the submitting thread, so a
     failing hook fails that request at ``submit``.  ``fill_masks``: a batched mask filler
     (``ConstraintBatch.fill``) from whoever provides the constraints.
     """

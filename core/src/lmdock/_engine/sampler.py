@@ -40,7 +40,7 @@ from lmdock._engine.biases import TokenBias
 from lmdock._engine.selection import boundary, kept_mask, top_indices
 
 if TYPE_CHECKING:
-    from lmdock._params import SamplingParams
+    from lmdock._config.sampling import SamplingParams
 
 LogitsProcessor = Callable[[list[int], np.ndarray], np.ndarray]
 

@@ -20,8 +20,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-from lmdock._errors import QueueFullError, RequestError
-from lmdock._params import SchedulerConfig
+from lmdock._config.sampling import SchedulerConfig
+from lmdock._plugin.errors import QueueFullError, RequestError
 
 
 class SchedSeq(Protocol):

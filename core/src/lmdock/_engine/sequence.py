@@ -22,8 +22,8 @@ from lmdock._engine.sampler import LogitsProcessor, SampleRow
 from lmdock._engine.stops import StopStrings
 
 if TYPE_CHECKING:
-    from lmdock._contract import EngineRequest, OutputSink, StepEngine
     from lmdock._outputs import PositionLogprobs
+    from lmdock._plugin.contract import EngineRequest, OutputSink, StepEngine
 
 
 class Seq:

@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from lmdock._errors import RequestError
+from lmdock._plugin.errors import RequestError
 
 if TYPE_CHECKING:
-    from lmdock._contract import SeqChunk, StepOutput
     from lmdock._engine.adapter_cache import AdapterCache
     from lmdock._lora import LoRARequest
+    from lmdock._plugin.contract import SeqChunk, StepOutput
     from lmdock._tokenizer import Tokenizer
 
 _NO_LORA_FIX = "send the request without lora_request, or load the model on a backend that lists lora in `lmdock backends`"

@@ -14,9 +14,9 @@ objects (one llguidance matcher per completion) or None when the request has no 
   The compile runs on a thread of its own with :data:`COMPILE_STACK` of stack (llguidance recurses
   over a grammar's rules), with lmdock's :func:`parser_limits`, and computes the first mask there, so
   the engine thread's first step of a new grammar finds its lexer states built.  A grammar from a
-  request reaches this module only after :mod:`lmdock._grammar_check` passed it in a worker process.
+  request reaches this module only after :mod:`lmdock._grammar.check` passed it in a worker process.
 - EOS is allowed exactly where the grammar accepts; the engine's EOS ids are llguidance's EOS tokens.
-- A JSON schema is compiled with what it leaves open bounded (:mod:`lmdock._json_schemas`): objects
+- A JSON schema is compiled with what it leaves open bounded (:mod:`lmdock._config.json_schemas`): objects
   that list their properties take no others unless they say so, numbers get bounds, so a model cannot
   spend its whole budget on keys or digits; every output still validates against the schema given.
 - A whole batch's masks are filled at once by llguidance's executor (:meth:`ConstraintFactory.fill_masks`)
@@ -36,9 +36,9 @@ from typing import Any
 
 import numpy as np
 
+from lmdock._config.json_schemas import bounded_numbers, closed_objects, loosened
 from lmdock._engine.llg_vocab import added_tokens_as_text
-from lmdock._errors import RequestError
-from lmdock._json_schemas import bounded_numbers, closed_objects, loosened
+from lmdock._plugin.errors import RequestError
 
 #: compiled grammars kept per tokenizer
 CACHE_SIZE = 128
@@ -48,7 +48,7 @@ CACHE_SIZE = 128
 JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False}
 
 #: The compile thread's stack: llguidance recurses over a grammar's rules, and the grammar check's
-#: worker probes with an eighth of this (``lmdock._grammar_worker.PROBE_STACK``), so what passed there
+#: worker probes with an eighth of this (``lmdock._grammar.worker.PROBE_STACK``), so what passed there
 #: cannot overflow here.
 COMPILE_STACK = 64 << 20
 _stack_lock = threading.Lock()

@@ -13,11 +13,11 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from lmdock._contract import EngineRequest
 from lmdock._engine.beam import UNSUPPORTED_WITH_BEAMS
 from lmdock._engine.biases import check_token_fields
 from lmdock._engine.sampler import LogitsProcessor
-from lmdock._errors import LmdockError, RequestError
+from lmdock._plugin.contract import EngineRequest
+from lmdock._plugin.errors import LmdockError, RequestError
 
 if TYPE_CHECKING:
     from lmdock._engine.step_engine import StepEngineBase

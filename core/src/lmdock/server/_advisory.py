@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lmdock._json_schemas import loosened
+from lmdock._config.json_schemas import loosened
 
 log = logging.getLogger("lmdock.server")
 

@@ -11,7 +11,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lmdock._errors import ConfigError, EngineClosedError, LmdockError, QueueFullError, RequestError, UnsupportedError
+from lmdock._plugin.errors import (
+    ConfigError,
+    EngineClosedError,
+    LmdockError,
+    QueueFullError,
+    RequestError,
+    UnsupportedError,
+)
 
 log = logging.getLogger("lmdock.server")
 

@@ -1,4 +1,4 @@
-"""Several models in one server: the core's :class:`lmdock.ModelPool` (``lmdock/_pool.py``: loading,
+"""Several models in one server: the core's :class:`lmdock.ModelPool` (``lmdock/_models/pool.py``: loading,
 measuring, making room, keep_alive) under the server's event loop and HTTP errors.
 
 A route takes its model with ``await st.model(name, request)`` (:meth:`ServedPool.acquire`): the pool
@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmdock._params import ModelConfig, ServerConfig
-from lmdock._pool import ModelBusyError, ModelPool, PooledModel, PoolFullError
+from lmdock._config.sampling import ModelConfig, ServerConfig
+from lmdock._models.pool import ModelBusyError, ModelPool, PooledModel, PoolFullError
 from lmdock.server._errors import APIError
 from lmdock.server._metrics import Metrics
 

@@ -14,7 +14,7 @@ A replica that dies before a request's first output costs nothing: the request i
 Serve routes it to a live replica).  After its first output it fails with ``EngineClosedError`` (503
 with Retry-After): what was streamed cannot be taken back.  Ray Serve starts a replacement.
 
-How many replicas (``lmdock._replicas``): ``--replicas``, else the model's ``replicas`` or
+How many replicas (``lmdock._models.replicas``): ``--replicas``, else the model's ``replicas`` or
 ``autoscaling`` (Ray Serve's autoscaler between min and max, on ``target_ongoing_requests``), else
 ``[server]``'s; each an actor with ``ray_actor_options`` (``num_cpus`` 1 unless given).  The cluster is
 the one ``RAY_ADDRESS`` names, else a local one with the CPUs the replicas ask for (at least this
@@ -31,9 +31,9 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from lmdock._errors import ConfigError, EngineClosedError
-from lmdock._params import ModelConfig
-from lmdock._replicas import ReplicaPlan
+from lmdock._config.sampling import ModelConfig
+from lmdock._models.replicas import ReplicaPlan
+from lmdock._plugin.errors import ConfigError, EngineClosedError
 from lmdock._sinks import AsyncQueueSink
 from lmdock.server._streaming import submit
 
@@ -221,7 +221,7 @@ def replicated(name: str, plan: ReplicaPlan, model: str, **kwargs: Any) -> Calla
         from ray import serve
         from ray.serve.config import RequestRouterConfig
 
-        from lmdock._plugins import get_registry
+        from lmdock._plugin.manager import get_registry
         from lmdock.server._ray_router import PrefixAffinityRouter
 
         sched = mc.scheduler  # each replica takes as many requests as its scheduler holds

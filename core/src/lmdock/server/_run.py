@@ -17,10 +17,10 @@ from typing import Any
 
 import uvicorn
 
-from lmdock._config import ConfigFile, find_config, load_config
-from lmdock._errors import ConfigError
-from lmdock._params import ModelConfig, ServerConfig
-from lmdock._replicas import ReplicaPlan, replica_plan
+from lmdock._config.file import ConfigFile, find_config, load_config
+from lmdock._config.sampling import ModelConfig, ServerConfig
+from lmdock._models.replicas import ReplicaPlan, replica_plan
+from lmdock._plugin.errors import ConfigError
 from lmdock.server._app import create_app
 from lmdock.server._http import uvicorn_options
 from lmdock.server._pool import ServedModel, queue_limit

@@ -8,9 +8,9 @@ from typing import Any
 
 from fastapi import Request
 
-from lmdock._errors import ConfigError, listed
+from lmdock._config.sampling import OPENAI_FIELDS, ServerConfig
 from lmdock._lora import LoRARequest
-from lmdock._params import OPENAI_FIELDS, ServerConfig
+from lmdock._plugin.errors import ConfigError, listed
 from lmdock.server._errors import APIError, as_api_error
 from lmdock.server._metrics import Metrics
 from lmdock.server._pool import ServedModel, ServedPool

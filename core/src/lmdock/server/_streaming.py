@@ -62,7 +62,7 @@ async def engine_stream(st: ServerState, sm: ServedModel, prompt: str | list[int
     ``[server] max_tokens_past_context`` says); a default is cut at the context.
     ``lora_request``: the adapter a ``NAME:ADAPTER`` model name asked for, or None."""
     llm = sm.llm
-    await llm.acheck_grammar(params)  # in a worker process, off this loop (lmdock._grammar_check)
+    await llm.acheck_grammar(params)  # in a worker process, off this loop (lmdock._grammar.check)
     request = llm.make_request(prompt, params, stream=True, add_special_tokens=add_special_tokens, lora_request=lora_request)
     if max_tokens_field is not None:
         room = llm.max_model_len - len(request.prompt_token_ids)

@@ -1,14 +1,14 @@
 """A request body's structured-output fields (vLLM's ``guided_*`` / ``structured_outputs``, OpenAI's
 ``response_format``) as ``SamplingParams.structured_output``: the mapping of
-:mod:`lmdock._structured_fields` (shared with ``lmdock batch``), its refusals as 400s naming the field.
+:mod:`lmdock._config.structured_fields` (shared with ``lmdock batch``), its refusals as 400s naming the field.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lmdock._structured_fields import FIELDS, FieldRefused
-from lmdock._structured_fields import structured_output as _mapping
+from lmdock._config.structured_fields import FIELDS, FieldRefused
+from lmdock._config.structured_fields import structured_output as _mapping
 from lmdock.server._errors import APIError
 
 

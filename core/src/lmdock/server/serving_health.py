@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from lmdock._errors import LmdockError
+from lmdock._plugin.errors import LmdockError
 from lmdock.server._errors import json_error
 from lmdock.server._metrics import CONTENT_TYPE
 from lmdock.server._state import engine_stats, state_of

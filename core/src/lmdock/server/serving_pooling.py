@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from lmdock._openai_embeddings import embedding_prompts, embeddings_response
+from lmdock._openai.embeddings import embedding_prompts, embeddings_response
 from lmdock.server._errors import APIError, as_api_error
 from lmdock.server._protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from lmdock.server._state import ServedModel, state_of

@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from lmdock._errors import LmdockError
+from lmdock._plugin.errors import LmdockError
 from lmdock.server._errors import APIError, as_api_error
 from lmdock.server._protocol import DetokenizeRequest, TokenizeRequest
 from lmdock.server._state import ServedModel, state_of

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from lmdock._json_schemas import bounded_numbers, closed_objects, loosened
+from lmdock._config.json_schemas import bounded_numbers, closed_objects, loosened
 from lmdock.tools._base import PartialCall
 
 
@@ -153,11 +153,11 @@ def json_schema_of(tool: dict[str, Any], args_key: str = "arguments", prefix: st
 
 def arguments_schema(params: dict[str, Any], prefix: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
     """``(schema, defs)``: a tool's parameters schema with what it leaves open bounded (objects that list
-    their properties closed, numbers in range: lmdock/_json_schemas.py, as for ``response_format``),
+    their properties closed, numbers in range: lmdock/_config/json_schemas.py, as for ``response_format``),
     and its ``$defs`` / ``definitions`` taken out, named ``prefix + name``, for the root of the schema
     that embeds it (a ``#/$defs/X`` reference resolves from the root, which is no longer ``params``:
     pydantic writes nested models that way, so instructor's and LangChain's tools have them).  What
-    llguidance cannot constrain is loosened (``lmdock._json_schemas.loosened``; the plan checks it after)."""
+    llguidance cannot constrain is loosened (``lmdock._config.json_schemas.loosened``; the plan checks it after)."""
     params = bounded_numbers(closed_objects(loosened(params)[0]))
     defs = {f"{prefix}{name}": sub for key in ("$defs", "definitions") for name, sub in (params.get(key) or {}).items()}
     if not defs:

@@ -14,8 +14,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmdock._errors import RequestError
-from lmdock._json_schemas import loosened
+from lmdock._config.json_schemas import loosened
+from lmdock._plugin.errors import RequestError
 from lmdock.tools._base import CallDelta, ToolCall, ToolParser, ToolStream
 from lmdock.tools._formats import up_to
 from lmdock.tools._reasoning import ReasoningParser, ReasoningStream, ThinkingBudget
@@ -114,7 +114,7 @@ class ChatPlan:
     parser: ToolParser | None = None
     reasoning: ReasoningParser | None = None
     opened: bool = False  # the prompt opened a thinking span
-    #: each tool's schema keywords the grammar could not hold (``lmdock._json_schemas.loosened``), by tool name
+    #: each tool's schema keywords the grammar could not hold (``lmdock._config.json_schemas.loosened``), by tool name
     loosened: dict[str, list[str]] = field(default_factory=dict)
 
     @classmethod

@@ -8,7 +8,7 @@ import logging
 import threading
 from typing import Any
 
-from lmdock._errors import ConfigError
+from lmdock._plugin.errors import ConfigError
 from lmdock.tools._base import ToolParser
 from lmdock.tools._formats import HermesParser, Llama3JsonParser, MistralParser, PythonicParser
 from lmdock.tools._reasoning import BUILTIN_REASONING, ReasoningParser
@@ -36,7 +36,7 @@ def _load() -> tuple[dict[str, type[ToolParser]], dict[str, type[ReasoningParser
                 else:
                     raise TypeError(f"register() takes a named ToolParser or ReasoningParser subclass, got {cls!r}")
 
-            from lmdock._plugins import get_registry
+            from lmdock._plugin.manager import get_registry
 
             for impl in get_registry().hook().lmdock_register_parsers.get_hookimpls():
                 try:

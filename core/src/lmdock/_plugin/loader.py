@@ -9,11 +9,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lmdock._config import SECTIONS, ConfigFile, find_config, load_config, model_config
-from lmdock._contract import BackendSpec, RequestEngine
-from lmdock._errors import BackendError, ConfigError, LmdockError, RequestError, UnsupportedError
-from lmdock._params import ModelConfig, SamplingParams
-from lmdock._schema import build
+from lmdock._config.file import SECTIONS, ConfigFile, find_config, load_config, model_config
+from lmdock._config.sampling import ModelConfig, SamplingParams
+from lmdock._config.schema import build
+from lmdock._plugin.contract import BackendSpec, RequestEngine
+from lmdock._plugin.errors import BackendError, ConfigError, LmdockError, RequestError, UnsupportedError
 
 
 def resolve_model(model: str | os.PathLike[str] | None, config: str | os.PathLike[str] | None, options: dict[str, Any]) -> ModelConfig:
@@ -82,8 +82,8 @@ def _overlay(base: ModelConfig, options: dict[str, Any]) -> ModelConfig:
 
 def load_engine(mc: ModelConfig) -> tuple[RequestEngine, BackendSpec]:
     """Select the backend (with fallbacks and ``auto``), translate the config, load the engine."""
-    from lmdock._plugins import get_registry
-    from lmdock._versions import warn_if_out_of_range
+    from lmdock._plugin.manager import get_registry
+    from lmdock._plugin.versions import warn_if_out_of_range
 
     registry = get_registry()
     candidates = _candidates(mc, registry)
@@ -113,7 +113,7 @@ def load_engine(mc: ModelConfig) -> tuple[RequestEngine, BackendSpec]:
 def _candidates(mc: ModelConfig, registry: Any) -> list[str]:
     """The backends to try in order: the named one and its fallbacks, ``auto`` expanded to the
     available backends that load the model's format, by priority."""
-    from lmdock._contract import model_format
+    from lmdock._plugin.contract import model_format
 
     fmt = model_format(mc.model)
     names: list[str] = []
@@ -131,7 +131,7 @@ def _candidates(mc: ModelConfig, registry: Any) -> list[str]:
 
 def _check_format(mc: ModelConfig, fmt: str, names: list[str], registry: Any) -> None:
     """Refuse, before any loading, a model whose format none of the candidates reads."""
-    from lmdock._contract import MODEL_FORMATS
+    from lmdock._plugin.contract import MODEL_FORMATS
 
     specs = [registry.backends[n] for n in names if n in registry.backends]
     if any(fmt in s.model_formats for s in specs) or len(specs) < len(names):

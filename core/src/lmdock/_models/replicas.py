@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmdock._params import ModelConfig, ServerConfig
+from lmdock._config.sampling import ModelConfig, ServerConfig
 
 
 @dataclass(frozen=True)

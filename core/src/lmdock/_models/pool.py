@@ -39,7 +39,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmdock._errors import LmdockError
+from lmdock._plugin.errors import LmdockError
 
 log = logging.getLogger("lmdock.pool")
 
@@ -175,7 +175,7 @@ class ModelPool:
                  max_loaded_models: int | None = None, models: Iterable[PooledModel] = (),
                  on_load: Callable[[PooledModel, float], None] | None = None,
                  on_unload: Callable[[PooledModel, str], None] | None = None) -> None:
-        from lmdock._config import load_config
+        from lmdock._config.file import load_config
 
         cfg = load_config(config) if config is not None else None
         if memory_budget_gib is None and cfg is not None:

@@ -3,7 +3,7 @@
 A backend that runs a model whose layers it does not implement (a sliding window it ignores, a
 recurrent state it cannot fork) gives different tokens without any error.  The core therefore reads
 the model's features here, before loading (config.json with :mod:`json`, or a GGUF file's metadata),
-and :mod:`lmdock._declare` refuses a model whose features the backend's spec lacks.  No torch,
+and :mod:`lmdock._plugin.declare` refuses a model whose features the backend's spec lacks.  No torch,
 numpy or transformers: ``lmdock`` stays light to import.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-#: The model-feature capabilities (each also in lmdock._contract.CAPABILITIES).
+#: The model-feature capabilities (each also in lmdock._plugin.contract.CAPABILITIES).
 FEATURES = ("sliding_window", "attention_sinks", "logit_softcapping", "recurrent_state", "moe")
 
 #: Layer types that are attention of some kind; any other (``mamba``, ``conv``, ``linear_attention``)
@@ -47,7 +47,7 @@ def model_features(model: str) -> ModelFeatures | None:
     path = Path(model)
     if model.lower().endswith(".gguf") and path.is_file():
         return gguf_features(path)
-    from lmdock._files import read_model_json
+    from lmdock._plugin.model_files import read_model_json
 
     cfg = read_model_json(model, "config.json")
     return config_features(cfg) if cfg else None

@@ -4,16 +4,16 @@ OpenAI's ``response_format``.  One mapping for ``lmdock serve`` (through ``lmdoc
 and ``lmdock batch``, on plain JSON values, so the batch runner needs no server extra.
 
 One constraint per request: two of these together are refused naming both.  A ``json_schema``
-response format with ``strict: true`` is OpenAI's strict mode (:func:`lmdock._json_schemas.strict_schema`);
+response format with ``strict: true`` is OpenAI's strict mode (:func:`lmdock._config.json_schemas.strict_schema`);
 without it the schema is used as given (step engines then bound what it leaves open, see
-:mod:`lmdock._json_schemas`).
+:mod:`lmdock._config.json_schemas`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lmdock._json_schemas import strict_schema
+from lmdock._config.json_schemas import strict_schema
 
 #: vLLM's request fields -> the StructuredOutput field each sets.
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmdock._errors import ConfigError
-from lmdock._params import (
+from lmdock._config.sampling import (
     AUTOSCALING_KEYS,
     BuildConfig,
     KvCacheConfig,
@@ -30,7 +29,8 @@ from lmdock._params import (
     SchedulerConfig,
     ServerConfig,
 )
-from lmdock._schema import FieldError, build, coerce, json_schema, unknown_key
+from lmdock._config.schema import FieldError, build, coerce, json_schema, unknown_key
+from lmdock._plugin.errors import ConfigError
 
 _VAR = re.compile(r"\$\{env\.([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 

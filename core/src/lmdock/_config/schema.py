@@ -12,7 +12,7 @@ import types
 import typing
 from typing import Any, Literal, TypeVar, Union
 
-from lmdock._errors import ConfigError
+from lmdock._plugin.errors import ConfigError
 
 T = TypeVar("T")
 

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import numpy as np
 
+    from lmdock._config.sampling import SamplingParams
     from lmdock._lora import LoRARequest
     from lmdock._outputs import RequestOutput
-    from lmdock._params import SamplingParams
     from lmdock._tokenizer import Tokenizer
 
 #: The plugin API this core implements.  A plugin declares the version it was written for; a different
@@ -49,7 +49,7 @@ CAPABILITIES: Mapping[str, str] = {
     "quantization": "at least one QuantConfig algorithm",
     "offload": "OffloadPolicy: weights partly in RAM or on disk",
     "lora": "LoRARequest: per-request LoRA adapters (PEFT folders), several in one batch",
-    # Model features (lmdock._families reads them from the model's config before loading; a model
+    # Model features (lmdock._plugin.families reads them from the model's config before loading; a model
     # that needs one the backend lacks is refused at load, never run with different tokens).
     "sliding_window": "sliding-window attention, global or per layer (Mistral, Qwen2/3 window layers, Gemma 2/3, Phi-3, gpt-oss)",
     "attention_sinks": "attention with learned sinks (gpt-oss)",

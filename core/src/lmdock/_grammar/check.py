@@ -3,7 +3,7 @@
 Grammars come from clients (JSON schemas, regexes, choices, Lark and GBNF grammars, the tool-call
 grammars built from tool schemas), and llguidance's native code can crash on some (a stack overflow
 at a few thousand chained rules) or take seconds on others.  So every ``structured_output`` is first
-checked by :class:`GrammarCheck` in :mod:`lmdock._grammar_pool`'s workers: compiled with the engine's
+checked by :class:`GrammarCheck` in :mod:`lmdock._grammar.processes`'s workers: compiled with the engine's
 tokenizer, its first masks computed, under a deadline.  A crash, a timeout, a compile error or a
 grammar that allows no token is a :class:`lmdock.GrammarError` (the server's 400) naming the grammar;
 only a grammar that passed is compiled in this process.
@@ -25,8 +25,8 @@ from collections import OrderedDict
 from copy import copy
 from typing import Any
 
-from lmdock._errors import GrammarError
-from lmdock._grammar_pool import GrammarPool, shared_pool
+from lmdock._grammar.processes import GrammarPool, shared_pool
+from lmdock._plugin.errors import GrammarError
 
 #: Verdicts kept (least recently used out): a key is two digests, a verdict None or a short message.
 CACHE_SIZE = 4096

@@ -1,6 +1,6 @@
 """The grammar check's worker process: compile a client's grammar where a crash costs one process.
 
-Run as ``python -m lmdock._grammar_worker`` by :mod:`lmdock._grammar_pool` (spawned, never forked, so
+Run as ``python -m lmdock._grammar.worker`` by :mod:`lmdock._grammar.processes` (spawned, never forked, so
 no lock of a threaded parent is inherited and a user's ``__main__`` is not re-run).  It reads jobs from
 stdin and writes one reply per job to the pipe that was stdout (fd 1 then points at stderr, so nothing
 a native library prints can corrupt a reply).  Messages are length-prefixed pickles; both ends are
@@ -62,7 +62,7 @@ def recv(stream: BinaryIO) -> Any:
 
 
 def tokenizer_from(spec: tuple[Any, ...]) -> Any:
-    """llguidance's tokenizer from what :func:`lmdock._grammar_check.tokenizer_spec` sent."""
+    """llguidance's tokenizer from what :func:`lmdock._grammar.check.tokenizer_spec` sent."""
     import llguidance
 
     kind = spec[0]
@@ -88,9 +88,9 @@ def probe(tokenizer: Any, fields: dict[str, Any]) -> str | None:
     """None if the grammar is fit to compile in the engine, else why not."""
     import llguidance
 
+    from lmdock._config.sampling import StructuredOutput
     from lmdock._engine.structured import grammar_for, parser_limits
-    from lmdock._errors import RequestError
-    from lmdock._params import StructuredOutput
+    from lmdock._plugin.errors import RequestError
 
     try:
         form, grammar = grammar_for(StructuredOutput(**fields))

@@ -17,8 +17,8 @@ from typing import Any
 import pluggy
 
 from lmdock import hookspecs
-from lmdock._contract import PLUGIN_API_VERSION, BackendSpec
-from lmdock._errors import BackendError, PluginError
+from lmdock._plugin.contract import PLUGIN_API_VERSION, BackendSpec
+from lmdock._plugin.errors import BackendError, PluginError
 
 ENTRY_POINT_GROUP = "lmdock"
 
@@ -199,7 +199,7 @@ def get_registry() -> Registry:
     global _registry
     with _lock:
         if _registry is None:
-            from lmdock import _builtin
+            from lmdock._plugin import builtin as _builtin
 
             registry = Registry()
             registry.add_plugin(_builtin, "lmdock-builtin", "lmdock")

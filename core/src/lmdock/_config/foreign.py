@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lmdock._errors import ConfigError
+from lmdock._plugin.errors import ConfigError
 
 
 @dataclass(frozen=True)

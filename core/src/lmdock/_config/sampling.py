@@ -1,7 +1,7 @@
 """Portable, validated configuration types shared by every backend.
 
 Each type is a frozen dataclass that holds its defaults in one place and validates itself on
-construction: an invalid value raises ``ValueError`` (a :class:`~lmdock._schema.FieldError`) naming
+construction: an invalid value raises ``ValueError`` (a :class:`~lmdock._config.schema.FieldError`) naming
 the field and the allowed range.  Backends translate these into their engine's own arguments, or
 refuse with a reason.
 """
@@ -13,9 +13,9 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from lmdock._aliases import foreign_fields, foreign_sampling_fields
+from lmdock._config.foreign import foreign_fields, foreign_sampling_fields
+from lmdock._config.schema import check
 from lmdock._lora import ADAPTER_NAME
-from lmdock._schema import check
 
 _INF = float("inf")
 
@@ -130,7 +130,7 @@ class StructuredOutput(_Replaceable):
         Raises :class:`lmdock.RequestError` naming ``structured_output.json`` when it is neither."""
         import json
 
-        from lmdock._errors import RequestError
+        from lmdock._plugin.errors import RequestError
 
         schema = self.json
         if schema is None or schema == {}:
@@ -462,7 +462,7 @@ class KvCacheConfig(_Replaceable):
 
 
 def _accept_foreign_fields(cls: type) -> None:
-    """Let ``cls(...)`` take TensorRT-LLM's field names (lmdock._aliases.FIELDS)."""
+    """Let ``cls(...)`` take TensorRT-LLM's field names (lmdock._config.foreign.FIELDS)."""
     init = cls.__init__
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:

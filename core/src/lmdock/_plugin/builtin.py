@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmdock._hooks import hookimpl
+from lmdock._plugin.markers import hookimpl
 
 
 @hookimpl(trylast=True)

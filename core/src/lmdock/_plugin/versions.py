@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lmdock._contract import BackendSpec
+    from lmdock._plugin.contract import BackendSpec
 
 log = logging.getLogger("lmdock")
 

@@ -14,10 +14,10 @@ import shutil
 from collections.abc import Callable
 from typing import Any
 
-from lmdock._contract import BackendSpec
-from lmdock._errors import UnsupportedError
-from lmdock._hooks import hookimpl
-from lmdock._params import ModelConfig, QuantConfig
+from lmdock._config.sampling import ModelConfig, QuantConfig
+from lmdock._plugin.contract import BackendSpec
+from lmdock._plugin.errors import UnsupportedError
+from lmdock._plugin.markers import hookimpl
 
 Load = Callable[[ModelConfig, Any, Any, dict[str, Any]], Any]
 Build = Callable[[ModelConfig], "dict[str, Any] | None"]
@@ -98,10 +98,10 @@ class Backend:
 
 
 def refuse_unsupported_family(spec: BackendSpec, model: str) -> None:
-    """Raise UnsupportedError before loading when ``model`` needs a feature (lmdock._families) that
+    """Raise UnsupportedError before loading when ``model`` needs a feature (lmdock._plugin.families) that
     ``spec`` lacks, or is of a family ``spec`` refuses.  A model whose config cannot be read here (a
     hub id not in the cache) is left to the engine."""
-    from lmdock._families import model_features
+    from lmdock._plugin.families import model_features
 
     found = model_features(model)
     if found is not None and (why := family_refusal(spec, found, model)):
@@ -109,7 +109,7 @@ def refuse_unsupported_family(spec: BackendSpec, model: str) -> None:
 
 
 def family_refusal(spec: BackendSpec, found: Any, model: str) -> str | None:
-    """Why ``spec`` refuses a model with these features (lmdock._families.ModelFeatures), naming the
+    """Why ``spec`` refuses a model with these features (lmdock._plugin.families.ModelFeatures), naming the
     family, what is missing, the backend's reason and the installed backends that have it; None
     when it runs it."""
     who = spec.package or f"backend {spec.name!r}"
@@ -126,8 +126,8 @@ def family_refusal(spec: BackendSpec, found: Any, model: str) -> str | None:
 
 def _instead(spec: BackendSpec, features: Any, family: str, model: str) -> str:
     """What to use instead: the installed backends that read this format and have every feature."""
-    from lmdock._contract import model_format
-    from lmdock._plugins import get_registry
+    from lmdock._plugin.contract import model_format
+    from lmdock._plugin.manager import get_registry
 
     fmt = model_format(model)
     fits = [s.name for s in get_registry().backends.values()

@@ -16,18 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmdock._errors import ConfigError
-from lmdock._openai_embeddings import ENCODING_FORMATS, embedding_prompts
-from lmdock._params import OPENAI_FIELDS
+from lmdock._config.sampling import OPENAI_FIELDS
+from lmdock._config.structured_fields import GUIDED, FieldRefused, structured_output
+from lmdock._openai.embeddings import ENCODING_FORMATS, embedding_prompts
+from lmdock._plugin.errors import ConfigError
 from lmdock._prompts import non_text_part
-from lmdock._structured_fields import GUIDED, FieldRefused, structured_output
 
 #: Each endpoint, and the body field that holds its input.
 URLS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages", "/v1/embeddings": "input"}
 #: Body fields accepted and not used: the model is the command's (-m), the output is never streamed.
 IGNORED = {"model", "user", "stream"}
 #: The fields each endpoint's body takes besides IGNORED (and, for generation, OPENAI_FIELDS); the
-#: output constraints are the server's (lmdock._structured_fields), chat's template fields its too.
+#: output constraints are the server's (lmdock._config.structured_fields), chat's template fields its too.
 FIELDS = {
     "/v1/completions": {"prompt", "logprobs", *GUIDED, "structured_outputs"},
     "/v1/chat/completions": {"messages", "logprobs", "top_logprobs", *GUIDED, "structured_outputs", "response_format",

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lmdock._cli_parser import Parser
-from lmdock._cli_sampling import add_sampling_args, sampling_overrides
-from lmdock._errors import LmdockError
+from lmdock._cli.parser import Parser
+from lmdock._cli.sampling import add_sampling_args, sampling_overrides
+from lmdock._plugin.errors import LmdockError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -197,7 +197,7 @@ def _llm(args: argparse.Namespace) -> Any:
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
-    from lmdock._plugins import plugin_filter_note
+    from lmdock._plugin.manager import plugin_filter_note
 
     rows, engine_lines = _backend_rows()
     note = plugin_filter_note()
@@ -235,9 +235,9 @@ def _print_backends(rows: list[dict[str, Any]], engine_lines: list[list[str]], n
 
 def _backend_rows() -> tuple[list[dict[str, Any]], list[list[str]]]:
     """``lmdock backends --json``'s rows, and each row's "engine:" lines for the text listing."""
-    from lmdock._contract import CAPABILITIES
-    from lmdock._plugins import get_registry
-    from lmdock._versions import report
+    from lmdock._plugin.contract import CAPABILITIES
+    from lmdock._plugin.manager import get_registry
+    from lmdock._plugin.versions import report
 
     reg = get_registry()
     rows: list[dict[str, Any]] = []
@@ -364,8 +364,8 @@ def _has_chat_template(folder: Path) -> bool | None:
     except (OSError, ValueError):
         return None
 def cmd_embed(args: argparse.Namespace) -> int:
-    from lmdock._params import PoolingParams
-    from lmdock._schema import build
+    from lmdock._config.sampling import PoolingParams
+    from lmdock._config.schema import build
 
     fields = {"normalize": args.normalize, "dimensions": args.dimensions, "truncate_prompt_tokens": args.truncate}
     params = build(PoolingParams, {k: v for k, v in fields.items() if v is not None}, source="<command line>")
@@ -384,7 +384,7 @@ def _read_template(path: str | None) -> str | None:
     try:
         return Path(path).expanduser().read_text(encoding="utf-8")
     except OSError as exc:
-        from lmdock._errors import ConfigError
+        from lmdock._plugin.errors import ConfigError
 
         raise ConfigError(f"cannot read the chat template: {exc.strerror}", source=path) from None
 
@@ -392,15 +392,15 @@ def _read_template(path: str | None) -> str | None:
 def cmd_chat(args: argparse.Namespace) -> int:
     template = _read_template(args.chat_template)
     if template is None:  # checked before the model is loaded where the files tell
-        from lmdock._errors import RequestError
-        from lmdock._loader import resolve_model
+        from lmdock._plugin.errors import RequestError
+        from lmdock._plugin.loader import resolve_model
 
         mc = resolve_model(args.model, args.config, {"backend": args.backend} if args.backend else {})
         if _has_chat_template(Path(mc.tokenizer or mc.model)) is False:
             raise RequestError(NO_TEMPLATE.format(model=mc.model))
     with _llm(args) as llm:
         if template is None and llm.tokenizer is not None and not getattr(llm.tokenizer, "chat_template", None):
-            from lmdock._errors import RequestError
+            from lmdock._plugin.errors import RequestError
 
             raise RequestError(NO_TEMPLATE.format(model=llm.model_config.model))
         params = llm.sampling_params(sampling_overrides(args))
@@ -452,7 +452,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         from lmdock.server import serve
     except ImportError as exc:
-        from lmdock._errors import LmdockError as _E
+        from lmdock._plugin.errors import LmdockError as _E
 
         raise _E(f"lmdock serve needs the server extra ({exc.name} is missing): pip install 'lmdock[serve]'") from None
     models = ([args.model] if args.model else []) + (args.models or [])
@@ -472,13 +472,13 @@ def _vllm_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:
-    from lmdock._config import find_config, load_config
-    from lmdock._plugins import get_registry
-    from lmdock._schema import build
+    from lmdock._config.file import find_config, load_config
+    from lmdock._config.schema import build
+    from lmdock._plugin.manager import get_registry
 
     path = find_config(args.config)
     if path is None:
-        from lmdock._errors import ConfigError
+        from lmdock._plugin.errors import ConfigError
 
         raise ConfigError("no config file found (looked for --config, $LMDOCK_CONFIG, ./lmdock.toml, ~/.config/lmdock/lmdock.toml)")
     cfg = load_config(path)
@@ -498,8 +498,8 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 
 
 def cmd_config_schema(args: argparse.Namespace) -> int:
-    from lmdock._config import config_schema
-    from lmdock._plugins import get_registry
+    from lmdock._config.file import config_schema
+    from lmdock._plugin.manager import get_registry
 
     options = {s.name: s.options for s in get_registry().backends.values() if s.options is not None}
     print(json.dumps(config_schema(options), indent=2))

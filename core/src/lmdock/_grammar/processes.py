@@ -1,9 +1,9 @@
-"""A small pool of grammar-check worker processes (``lmdock._grammar_worker``), one per process.
+"""A small pool of grammar-check worker processes (``lmdock._grammar.worker``), one per process.
 
 A check takes an idle worker (waiting while all are busy), sends it the job and waits for the reply
 until the deadline.  A worker that dies (a native crash: a stack overflow in llguidance, an abort on
 memory) or misses the deadline is killed and replaced by a fresh one on the next check; the request
-gets the reason.  Workers start on first use (``python -m lmdock._grammar_worker``: spawned, so they
+gets the reason.  Workers start on first use (``python -m lmdock._grammar.worker``: spawned, so they
 inherit no lock of this threaded process and do not re-run a user's ``__main__``) and keep the
 tokenizers they were sent, so a tokenizer is sent to each worker once.
 """
@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any
 
-from lmdock._grammar_worker import recv, send
+from lmdock._grammar.worker import recv, send
 
 #: Worker processes: half the cores, 1 to 4 (a check is one core's work; the engine needs the rest).
 WORKERS = max(1, min(4, (os.cpu_count() or 2) // 2))
@@ -40,7 +40,7 @@ class _Worker:
     """One worker process and the tokenizer keys it holds."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "lmdock._grammar_worker"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "lmdock._grammar.worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, close_fds=True, start_new_session=True)
         self.tokenizers: set[str] = set()
 

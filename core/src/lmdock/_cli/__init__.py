@@ -1,0 +1,3 @@
+"""The `lmdock` command: the parser and one module per command.
+
+See docs/code-map.md."""
