@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from lmdock._cli.main import main
-from lmdock._cli.parser import FOREIGN_FLAGS
+from lmdock._config.foreign import FOREIGN_FLAGS
 
 
 @pytest.mark.parametrize(("argv", "field", "value"), [

@@ -108,7 +108,7 @@ def test_a_call_dict_takes_openais_names_over_the_defaults(fake: Any) -> None:
 def test_every_field_of_the_request_table_has_a_flag_under_each_of_its_names() -> None:
     """The sampling flags come from ``OPENAI_FIELDS``, the table the server and ``lmdock batch`` read."""
     from lmdock._cli.main import _parser
-    from lmdock._config.sampling import OPENAI_FIELDS
+    from lmdock._config.foreign import OPENAI_FIELDS
 
     flags = set(_parser().commands["generate"].flags) & set(_parser().commands["chat"].flags)
     for name, field in OPENAI_FIELDS.items():

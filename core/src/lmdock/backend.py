@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lmdock._config.sampling import ModelConfig, PoolingParams
+from lmdock._config.model import ModelConfig
+from lmdock._config.pooling import PoolingParams
 from lmdock._lora import LoRAModule, read_lora_adapter
 from lmdock._outputs import CompletionOutput, Logprob, RequestOutput
 from lmdock._plugin.contract import (

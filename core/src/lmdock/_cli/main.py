@@ -364,7 +364,7 @@ def _has_chat_template(folder: Path) -> bool | None:
     except (OSError, ValueError):
         return None
 def cmd_embed(args: argparse.Namespace) -> int:
-    from lmdock._config.sampling import PoolingParams
+    from lmdock._config.pooling import PoolingParams
     from lmdock._config.schema import build
 
     fields = {"normalize": args.normalize, "dimensions": args.dimensions, "truncate_prompt_tokens": args.truncate}
