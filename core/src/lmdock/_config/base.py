@@ -13,6 +13,7 @@ INF = float("inf")
 
 
 def in_range(name: str, value: float | None, lo: float, hi: float = INF, *, lo_open: bool = False) -> None:
+    """``value`` (None: unset) lies in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``), or ``name`` is refused."""
     if value is None:
         return
     ok = (value > lo if lo_open else value >= lo) and value <= hi
@@ -22,14 +23,16 @@ def in_range(name: str, value: float | None, lo: float, hi: float = INF, *, lo_o
 
 
 def integer(name: str, value: Any, lo: int, *, optional: bool = True) -> None:
+    """``value`` is an integer >= ``lo`` (or None, when ``optional``), or ``name`` is refused."""
     if value is None and optional:
         return
     check(isinstance(value, int) and not isinstance(value, bool), name, f"must be an integer, got {value!r}")
     check(value >= lo, name, f"must be >= {lo}, got {value!r}")
 
 
-
 class Replaceable:
+    """``replace(**changes)``: a validated copy (every config type has it)."""
+
     def replace(self, **changes: Any) -> Any:
         """Return a copy with ``changes`` applied (and validated)."""
         return dataclasses.replace(self, **changes)  # type: ignore[type-var]
