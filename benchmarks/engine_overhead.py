@@ -94,7 +94,7 @@ def measure(batch: int, tokens: int, params: Any, compute_s: float = 0.0, async_
     """Seconds per decode step for ``batch`` concurrent requests of ``tokens`` tokens each: wall time,
     the CPU time of the loop's thread (which a busy machine does not inflate), and the time spent
     in the engine's step."""
-    from lmdock._config.sampling import SchedulerConfig
+    from lmdock._config.model import SchedulerConfig
     from lmdock._engine.runner import StepRunner
     from lmdock._engine.sampler import ReferenceSampler
     from lmdock._engine.scheduler import FcfsScheduler

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from lmdock._cli.main import main
-from lmdock._cli.parser import FOREIGN_FLAGS
+from lmdock._config.foreign import FOREIGN_FLAGS
 
 
 @pytest.mark.parametrize(("argv", "field", "value"), [
@@ -73,14 +73,15 @@ def test_serves_vllm_flags_map_onto_the_models_sections() -> None:
     """``lmdock serve``'s vLLM flags (docs/server.md) become the model's build and kv_cache settings,
     which each backend then honours or refuses as it does in the config file (the hf refusal of
     ``--tensor-parallel-size`` is in core/tests_serve/test_documented.py)."""
-    from lmdock._cli.main import _parser, _vllm_options
+    from lmdock._cli.main import build_parser
+    from lmdock._cli.serve import vllm_options
 
-    args = _parser().parse_args(["serve", "m", "--max-model-len", "128", "--dtype", "float32", "-tp", "2",
+    args = build_parser().parse_args(["serve", "m", "--max-model-len", "128", "--dtype", "float32", "-tp", "2",
                                  "--gpu-memory-utilization", "0.5"])
-    assert _vllm_options(args) == {"build": {"max_seq_len": 128, "dtype": "float32", "tensor_parallel_size": 2},
+    assert vllm_options(args) == {"build": {"max_seq_len": 128, "dtype": "float32", "tensor_parallel_size": 2},
                                    "kv_cache": {"memory_fraction": 0.5}}
-    args = _parser().parse_args(["serve", "m", "--tensor-parallel-size", "4"])
-    assert _vllm_options(args) == {"build": {"tensor_parallel_size": 4}}
+    args = build_parser().parse_args(["serve", "m", "--tensor-parallel-size", "4"])
+    assert vllm_options(args) == {"build": {"tensor_parallel_size": 4}}
 
 
 def test_chat_system_goes_first_in_the_rendered_prompt(fake: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -107,19 +107,19 @@ def test_a_call_dict_takes_openais_names_over_the_defaults(fake: Any) -> None:
 
 def test_every_field_of_the_request_table_has_a_flag_under_each_of_its_names() -> None:
     """The sampling flags come from ``OPENAI_FIELDS``, the table the server and ``lmdock batch`` read."""
-    from lmdock._cli.main import _parser
-    from lmdock._config.sampling import OPENAI_FIELDS
+    from lmdock._cli.main import build_parser
+    from lmdock._config.foreign import OPENAI_FIELDS
 
-    flags = set(_parser().commands["generate"].flags) & set(_parser().commands["chat"].flags)
+    flags = set(build_parser().commands["generate"].flags) & set(build_parser().commands["chat"].flags)
     for name, field in OPENAI_FIELDS.items():
         assert {"--" + name.replace("_", "-"), "--" + field.replace("_", "-")} <= flags, name
 
 
 def test_logit_bias_allowed_token_ids_and_bad_words_flags_reach_sampling_params() -> None:
-    from lmdock._cli.main import _parser
+    from lmdock._cli.main import build_parser
     from lmdock._cli.sampling import sampling_overrides
 
-    args = _parser().parse_args(["generate", "--logit-bias", "432=-100", "--logit-bias", "7=2.5", "--allowed-token-ids", "1,2",
+    args = build_parser().parse_args(["generate", "--logit-bias", "432=-100", "--logit-bias", "7=2.5", "--allowed-token-ids", "1,2",
                                  "--allowed-token-ids", "3", "--bad-words", "cat", "--bad-words", "dog", "--max-completion-tokens", "5",
                                  "--min-tokens", "1", "--stop-token-ids", "9", "--no-skip-special-tokens", "x"])
     got = sampling_overrides(args)

@@ -1,4 +1,5 @@
-"""The core's modules stay a clean graph: no import cycle, and no module reading another's private names.
+"""The core's modules stay a clean graph: no import cycle, folders that import each other only in the
+directions allowed below, and no module reading another's private names.
 
 Both checks read the source (``ast``), so they need no import and see every module, lazy ones included.
 """
@@ -73,6 +74,60 @@ def _imports(name: str) -> set[str]:
     return found
 
 
+def _all_imports(name: str) -> set[str]:
+    """Every lmdock module ``name`` imports, lazy (in functions) and type-only imports included."""
+    tree = ast.parse(MODULES[name].read_text(), str(MODULES[name]))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                found.update(_resolve(name, node, alias))
+    found.discard(name)
+    return found
+
+
+#: The facade's modules that still sit at the top level while issue 41 moves them into ``_llm/``: counted as ``_llm``.
+LLM_MODULES = {"_llm", "_sinks", "_outputs", "_beam_search", "_genlm", "_lora", "_tokenizer", "_prompts", "_logprobs",
+               "_pooling_calls", "_progress", "_batch"}
+#: The floor: every folder may raise the core's errors.
+FLOOR = "lmdock._plugin.errors"
+
+#: Which part of the core may import which (lazy and type-only imports included); docs/code-map.md draws it.
+#: A part is a folder of ``lmdock/``, a top-level module (``backend``, ``hookspecs``, ``__main__``) or ``lmdock``
+#: (the package's ``__init__``).  A new arrow is a design decision: add it here with its reason.
+ALLOWED: dict[str, set[str]] = {
+    # configuration types: below everything but a parser's name (tools, checked lazily) and LoRA adapter names (_llm)
+    "_config": {"tools", "_llm"},
+    # the tiny core: the contract types its calls with the facade's requests and outputs; the built-in plugin
+    # and the loader build the engine
+    "_plugin": {"_config", "_engine", "_llm", "hookspecs"},
+    "hookspecs": {"_config", "_engine", "_plugin"},
+    "backend": {"_config", "_engine", "_llm", "_plugin"},
+    # the step loop: reports through the facade's sinks and outputs, detokenizes with its tokenizer
+    "_engine": {"_config", "_plugin", "_llm"},
+    "_grammar": {"_config", "_engine"},
+    "tools": {"_config", "_plugin"},
+    # the facade: loads through _plugin, checks grammars in _grammar, writes batch lines through _openai
+    "_llm": {"_config", "_engine", "_grammar", "_openai", "_plugin", "tools"},
+    # OpenAI's wire shapes: the chat prompt types of the facade (an arrow back to _llm)
+    "_openai": {"_config", "_llm"},
+    "_models": {"_config", "_llm"},
+    # the server: a client of the facade, the model pool and the wire shapes
+    "server": {"lmdock", "_config", "_llm", "_models", "_openai", "_plugin", "tools"},
+    "_cli": {"lmdock", "_config", "_llm", "_plugin", "server"},
+    "lmdock": {"_config", "_llm", "_models", "_plugin", "backend"},
+    "__main__": {"_cli"},
+}
+
+
+def part(module: str) -> str:
+    """The part of the core ``module`` belongs to (see ALLOWED)."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "lmdock"
+    return "_llm" if parts[1] in LLM_MODULES else parts[1]
+
+
 def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
@@ -108,6 +163,24 @@ def test_the_core_has_no_import_cycle() -> None:
     graph = {name: _imports(name) for name in MODULES}
     cycle = _find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or ())
+
+
+def test_every_part_of_the_core_is_in_the_allowed_table() -> None:
+    """A new folder or top-level module gets its row (what it may import, and why) when it is created."""
+    parts = {part(m) for m in MODULES} - {"lmdock"}
+    assert not parts - set(ALLOWED), f"add a row to ALLOWED for {sorted(parts - set(ALLOWED))}"
+    assert not set(ALLOWED) - parts - {"lmdock"}, f"ALLOWED names parts that are gone: {sorted(set(ALLOWED) - parts)}"
+
+
+def test_folders_import_each_other_only_in_the_allowed_directions() -> None:
+    wrong = sorted(f"{m} -> {t}" for m in MODULES for t in _all_imports(m)
+                   if t != FLOOR and part(m) != part(t) and part(t) not in ALLOWED.get(part(m), set()))
+    assert not wrong, "imports across folders that ALLOWED does not allow (add the arrow with its reason, or move the code):\n" + "\n".join(wrong)
+
+
+def test_the_direction_check_sees_a_wrong_arrow() -> None:
+    assert "_cli" not in ALLOWED["_config"] and part("lmdock._cli.main") == "_cli"
+    assert part("lmdock._config.model") == "_config" and part("lmdock") == "lmdock" and part("lmdock._lora") == "_llm"
 
 
 def test_the_cycle_finder_finds_one() -> None:

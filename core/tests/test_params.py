@@ -101,7 +101,7 @@ def test_structured_output_takes_exactly_one_constraint() -> None:
 def test_openais_field_names_are_one_table_behind_samplingparams_aliases() -> None:
     import dataclasses
 
-    from lmdock._config.sampling import OPENAI_FIELDS
+    from lmdock._config.foreign import OPENAI_FIELDS
 
     fields = {f.name for f in dataclasses.fields(SamplingParams)}
     assert set(OPENAI_FIELDS.values()) <= fields

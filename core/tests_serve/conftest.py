@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from lmdock._plugin import manager as _plugins  # noqa: E402
 from serve_helpers import Server  # noqa: E402
 
 
@@ -32,3 +33,16 @@ def strict(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     s = Server(tmp, f'api_key_file = "{tmp / "key"}"\nmax_queue = 1\nmax_body_bytes = 4096\n', env=env)
     yield s
     s.stop()
+
+
+@pytest.fixture
+def registry(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """A fresh registry with no autoloaded plugins, in a folder with no config file (the FAKE-engine suites:
+    test_health_and_auth, test_request_bounds, test_serve_command)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("LMDOCK_CONFIG", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("LMDOCK_DISABLE_PLUGIN_AUTOLOAD", "1")
+    _plugins.reset_registry()
+    yield
+    _plugins.reset_registry()

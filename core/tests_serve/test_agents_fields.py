@@ -327,8 +327,8 @@ def test_openai_routes_clamp_when_configured(plain: Server) -> None:
 
 
 def test_max_tokens_past_context_is_checked_in_the_config() -> None:
-    from lmdock._config.sampling import ServerConfig
     from lmdock._config.schema import build
+    from lmdock._config.server import ServerConfig
     from lmdock._plugin.errors import ConfigError
 
     assert build(ServerConfig, {"max_tokens_past_context": "clamp"}).max_tokens_past_context == "clamp"

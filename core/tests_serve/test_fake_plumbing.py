@@ -181,7 +181,7 @@ def test_an_unknown_field_sent_as_null_asks_for_nothing() -> None:
 
 
 def test_the_servers_sampling_fields_are_the_one_table() -> None:
-    from lmdock._config.sampling import OPENAI_FIELDS
+    from lmdock._config.foreign import OPENAI_FIELDS
     from lmdock.server._protocol import ChatRequest, CompletionRequest
 
     for cls in (CompletionRequest, ChatRequest):

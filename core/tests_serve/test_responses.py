@@ -325,7 +325,7 @@ def test_a_client_gone_mid_stream_aborts_the_request(served: Server) -> None:
 
 
 def test_the_store_is_bounded_least_recently_used_first_out() -> None:
-    from lmdock._config.sampling import ServerConfig
+    from lmdock._config.server import ServerConfig
     from lmdock.server._response_store import MAX_STORED, MAX_STORED_BYTES, ResponseStore, Stored
 
     # as docs/server.md says

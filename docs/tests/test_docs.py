@@ -77,3 +77,48 @@ def test_every_server_module_is_in_the_servers_code_map() -> None:
     assert "serving_completion.py" in modules
     missing = [m for m in modules if f"| `{m}` |" not in text]
     assert not missing, f"docs/server.md's code map lacks {', '.join(missing)}: add a row with its one-line concern"
+
+
+#: Folders mapped in their own guide rather than in docs/code-map.md.
+MAPPED_ELSEWHERE = {"_engine": "docs/engine.md", "server": "docs/server.md"}
+#: The facade's modules still at the top level while issue 41 moves them into ``_llm/``: counted as ``_llm/``.
+LLM_MODULES = {"_llm", "_sinks", "_outputs", "_beam_search", "_genlm", "_lora", "_tokenizer", "_prompts", "_logprobs",
+               "_pooling_calls", "_progress", "_batch"}
+
+
+def _code_map_sections() -> dict[str, set[str]]:
+    """docs/code-map.md's tables: section heading (a folder, or "Top level") -> the entries its rows name."""
+    import re
+
+    sections: dict[str, set[str]] = {}
+    current = None
+    for line in (ROOT / "docs" / "code-map.md").read_text().splitlines():
+        heading = re.fullmatch(r"## `?([\w ]+?)/?`?", line)
+        if heading:
+            current = sections.setdefault(heading.group(1), set())
+        elif current is not None and (row := re.match(r"^\| `([\w.]+/?)` \| .*\S \|$", line)):
+            current.add(row.group(1))
+    return sections
+
+
+def test_every_folder_of_the_core_is_in_the_code_map() -> None:
+    """docs/code-map.md has a table per folder of ``lmdock/`` (but those mapped in their own guide) naming
+    every module it has and none that is gone, and a table of the top level's entries."""
+    core = ROOT / "core" / "src" / "lmdock"
+    sections = _code_map_sections()
+    top = {"_llm/" if p.stem in LLM_MODULES else p.name + "/" if p.is_dir() else p.name
+           for p in core.iterdir() if p.name != "__pycache__"}
+    assert len(top) <= 15, f"the core's top level has {len(top)} entries; group them into folders (issue 41): {sorted(top)}"
+    assert sections["Top level"] == top, f"docs/code-map.md's top-level table: add {sorted(top - sections['Top level'])}, " \
+                                         f"drop {sorted(sections['Top level'] - top)}"
+    for folder in sorted(p for p in core.iterdir() if p.is_dir() and p.name not in {*MAPPED_ELSEWHERE, "__pycache__"}):
+        modules = {p.name for p in folder.glob("*.py") if p.name != "__init__.py"}
+        listed = sections.get(folder.name)
+        assert listed is not None, f"docs/code-map.md: add a section ## `{folder.name}/` with a row per module"
+        assert listed == modules, f"docs/code-map.md's {folder.name}/ table: add {sorted(modules - listed)}, drop {sorted(listed - modules)}"
+
+
+def test_the_code_map_check_reads_the_tables() -> None:
+    sections = _code_map_sections()
+    assert {"_plugin", "_config", "_cli", "Top level"} <= set(sections)
+    assert "loader.py" in sections["_plugin"] and "_cli/" in sections["Top level"]

@@ -9,19 +9,11 @@ from __future__ import annotations
 
 from lmdock._beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from lmdock._config.file import ConfigFile, config_schema, find_config, load_config
-from lmdock._config.foreign import QuantAlgo
-from lmdock._config.sampling import (
-    BuildConfig,
-    KvCacheConfig,
-    ModelConfig,
-    OffloadPolicy,
-    PoolingParams,
-    QuantConfig,
-    SamplingParams,
-    SchedulerConfig,
-    ServerConfig,
-    StructuredOutput,
-)
+from lmdock._config.model import BuildConfig, KvCacheConfig, ModelConfig, OffloadPolicy, QuantConfig, SchedulerConfig
+from lmdock._config.pooling import PoolingParams
+from lmdock._config.quant_algo import QuantAlgo
+from lmdock._config.sampling import SamplingParams, StructuredOutput
+from lmdock._config.server import ServerConfig
 from lmdock._lora import LoRARequest
 from lmdock._outputs import (
     CompletionOutput,
@@ -57,9 +49,9 @@ _LAZY = {
     "AsyncLM": ("lmdock._genlm", "AsyncLM"),
     "LLM": ("lmdock._llm", "LLM"),
     "load_model_by_name": ("lmdock._genlm", "load_model_by_name"),
-    "ModelBusyError": ("lmdock._models.pool", "ModelBusyError"),
+    "ModelBusyError": ("lmdock._models.pooled", "ModelBusyError"),
     "ModelPool": ("lmdock._models.pool", "ModelPool"),
-    "PoolFullError": ("lmdock._models.pool", "PoolFullError"),
+    "PoolFullError": ("lmdock._models.pooled", "PoolFullError"),
     "RequestFuture": ("lmdock._sinks", "RequestFuture"),
     "hookimpl": ("lmdock._plugin.markers", "hookimpl"),
     "backend": ("lmdock.backend", None),

@@ -115,7 +115,7 @@ class _Runner:
     def submit(self, request: Request, pool: concurrent.futures.Executor) -> concurrent.futures.Future[Any]:
         llm, body = self.llm, request.body
         if request.url == "/v1/embeddings":
-            from lmdock._config.sampling import PoolingParams
+            from lmdock._config.pooling import PoolingParams
             from lmdock._config.schema import build
 
             fields = {k: body[k] for k in ("dimensions", "truncate_prompt_tokens") if body.get(k) is not None}

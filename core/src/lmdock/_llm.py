@@ -30,7 +30,7 @@ from lmdock._prompts import Prompt, as_batch, as_prompt, content_as, indexed, in
 from lmdock._sinks import AsyncQueueSink, QueueSink, RequestFuture
 
 if TYPE_CHECKING:
-    from lmdock._config.sampling import ModelConfig
+    from lmdock._config.model import ModelConfig
     from lmdock._plugin.contract import BackendSpec
 
 #: Sampling parameters as a call takes them: complete params, overrides of the defaults, or None.
@@ -177,7 +177,7 @@ class LLM:
     def sampling_params(self, overrides: ParamsArg = None) -> SamplingParams:
         """The SamplingParams a call given ``overrides`` runs with: a dict's SamplingParams fields over
         :meth:`get_default_sampling_params` (a front end maps OpenAI's names first, through
-        ``lmdock._config.sampling.OPENAI_FIELDS``); complete SamplingParams as they are; None, the defaults.
+        ``lmdock._config.foreign.OPENAI_FIELDS``); complete SamplingParams as they are; None, the defaults.
         Raises ConfigError naming the field for a value out of range or an unknown field."""
         return self._params(overrides)
 

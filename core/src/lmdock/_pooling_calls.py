@@ -7,7 +7,8 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lmdock._config.sampling import ModelConfig, PoolingParams
+from lmdock._config.model import ModelConfig
+from lmdock._config.pooling import PoolingParams
 from lmdock._config.schema import build
 from lmdock._outputs import EmbeddingOutput, EmbeddingRequestOutput, ScoringOutput, ScoringRequestOutput
 from lmdock._plugin.contract import PoolingInput

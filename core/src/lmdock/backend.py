@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lmdock._config.sampling import ModelConfig, PoolingParams
+from lmdock._config.model import ModelConfig
+from lmdock._config.pooling import PoolingParams
 from lmdock._engine.adapter_cache import AdapterCache
 from lmdock._engine.step_engine import StepEngineBase
 from lmdock._lora import LoRAModule, read_lora_adapter

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lmdock._config.sampling import ModelConfig, QuantConfig, SamplingParams, SchedulerConfig
+    from lmdock._config.model import ModelConfig, QuantConfig, SchedulerConfig
+    from lmdock._config.sampling import SamplingParams
     from lmdock._engine.sampler import LogitsProcessor, Sampler
     from lmdock._engine.scheduler import Scheduler
     from lmdock._plugin.contract import BackendSpec, RequestEngine, StepEngine

@@ -13,29 +13,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
-#: Flags of other tools, and where lmdock keeps the same setting.
-FOREIGN_FLAGS: dict[str, str] = {
-    "--max-tokens": "--max-new-tokens",
-    "--max-model-len": "[models.NAME.build] max_seq_len in the config file",
-    "--dtype": "[models.NAME.build] dtype in the config file",
-    "--tensor-parallel-size": "[models.NAME.build] tensor_parallel_size in the config file",
-    "-tp": "[models.NAME.build] tensor_parallel_size in the config file",
-    "--pipeline-parallel-size": "[models.NAME.build] pipeline_parallel_size in the config file",
-    "--gpu-memory-utilization": "[models.NAME.kv_cache] memory_fraction in the config file",
-    "--max-num-seqs": "[models.NAME.scheduler] max_num_seqs in the config file",
-    "--max-num-batched-tokens": "[models.NAME.scheduler] max_num_batched_tokens in the config file",
-    "--enable-prefix-caching": "[models.NAME.kv_cache] enable_prefix_caching in the config file",
-    "--quantization": "[models.NAME.quantization] algo in the config file",
-    "--trust-remote-code": "trust_remote_code = true under [models.NAME] in the config file",
-    "--served-model-name": "the model's name in the config file ([models.NAME]) or -m NAME (lmdock serve takes it)",
-    "--tool-call-parser": "tool_parser = \"hermes\" under [models.NAME] in the config file (docs/tools.md)",
-    "--tool-parser": "tool_parser = \"hermes\" under [models.NAME] in the config file (docs/tools.md)",
-    "--reasoning-parser": "reasoning_parser = \"think\" under [models.NAME] in the config file (docs/tools.md)",
-    "--model": "-m / --model",
-    "--ctx-size": "[models.NAME.build] max_seq_len in the config file",
-    "--n-predict": "--max-new-tokens",
-    "--temp": "--temperature",
-}
+from lmdock._config.foreign import FOREIGN_FLAGS
 
 
 class Parser(argparse.ArgumentParser):

@@ -1,5 +1,5 @@
 """The sampling flags of ``lmdock generate`` and ``lmdock chat``, derived from the one table of request
-fields (``lmdock._config.sampling.OPENAI_FIELDS``) that the server and ``lmdock batch`` read: each field it
+fields (``lmdock._config.foreign.OPENAI_FIELDS``) that the server and ``lmdock batch`` read: each field it
 maps to is a flag under lmdock's name (``--max-new-tokens``) and under OpenAI's and vLLM's names for
 it (``--max-tokens``, ``--max-completion-tokens``), so a field added to the table is reachable here too.
 """
@@ -10,7 +10,8 @@ import argparse
 import dataclasses
 from typing import Any
 
-from lmdock._config.sampling import OPENAI_FIELDS, SamplingParams
+from lmdock._config.foreign import OPENAI_FIELDS
+from lmdock._config.sampling import SamplingParams
 
 #: How a flag reads its value, for the fields that are not one number or a switch.
 _KINDS: dict[str, dict[str, Any]] = {

@@ -17,19 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmdock._config.sampling import (
-    AUTOSCALING_KEYS,
-    BuildConfig,
-    KvCacheConfig,
-    ModelConfig,
-    OffloadPolicy,
-    PoolingParams,
-    QuantConfig,
-    SamplingParams,
-    SchedulerConfig,
-    ServerConfig,
-)
+from lmdock._config.model import BuildConfig, KvCacheConfig, ModelConfig, OffloadPolicy, QuantConfig, SchedulerConfig
+from lmdock._config.pooling import PoolingParams
+from lmdock._config.sampling import SamplingParams
 from lmdock._config.schema import FieldError, build, coerce, json_schema, unknown_key
+from lmdock._config.server import AUTOSCALING_KEYS, ServerConfig
 from lmdock._plugin.errors import ConfigError
 
 _VAR = re.compile(r"\$\{env\.([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")

@@ -1,14 +1,22 @@
-"""Other APIs' ``LLM(...)`` arguments and ``SamplingParams`` names, read as lmdock's: the one table of them.
+"""Other tools' names, read as lmdock's: the one table of them.
 
 vLLM's, TensorRT-LLM's and furiosa-llm's users write their own spellings (``LLM(model, dtype="half",
 max_model_len=512)``, ``LLM(p, build_config=BuildConfig(...))``, ``LLM(artifact_path=...)``); each
 argument here either becomes the ``[models.NAME]`` key it means, or is refused with lmdock's
-equivalent or why it does not apply.  docs/migrating.md is this table in prose.
+equivalent or why it does not apply.  docs/migrating.md is this table in prose.  The same module holds
+every other foreign spelling lmdock reads, each derived from one source where they overlap:
+``CONSTRUCTOR`` (``LLM(...)`` arguments), ``OPENAI_FIELDS`` (request fields, read by ``lmdock serve``,
+``lmdock batch`` and the CLI's sampling flags), ``SAMPLING_ALIASES`` (``SamplingParams`` names: the request
+fields' renames plus transformers' and TensorRT-LLM's), ``SAMPLING`` and ``FIELDS`` (TensorRT-LLM's names
+that convert a value), ``GUIDED`` (vLLM's ``guided_*`` fields) and ``FOREIGN_FLAGS`` (other CLIs' flags,
+the engine ones spelt from ``CONSTRUCTOR``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +49,7 @@ def _key(path: str, convert: Callable[[Any], Any] = lambda v: v) -> Callable[[An
         node[leaf] = convert(value)
         return out
 
+    to.path = path  # type: ignore[attr-defined]  # read by FOREIGN_FLAGS
     return to
 
 
@@ -248,7 +257,7 @@ def _pad_id(value: Any) -> dict[str, Any]:
     return {}
 
 
-#: TensorRT-LLM's SamplingParams names that are not plain renames (those are SamplingParams.ALIASES).
+#: TensorRT-LLM's SamplingParams names that are not plain renames (those are SAMPLING_ALIASES).
 SAMPLING: dict[str, Callable[[Any], dict[str, Any]]] = {
     "end_id": _end_id,
     "pad_id": _pad_id,
@@ -274,36 +283,6 @@ def foreign_sampling_fields(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- TensorRT-LLM's config classes ----------------------------------------------------------------
-
-
-class QuantAlgo:
-    """TensorRT-LLM's ``QuantAlgo`` names (``QuantAlgo.W4A16_AWQ``), as strings: ``QuantConfig(quant_algo=...)``
-    reads the ones lmdock has (``QUANT_ALGOS``) and refuses the others by name."""
-
-    W8A16 = "W8A16"
-    W4A16 = "W4A16"
-    W4A16_AWQ = "W4A16_AWQ"
-    W4A8_AWQ = "W4A8_AWQ"
-    W8A16_GPTQ = "W8A16_GPTQ"
-    W4A16_GPTQ = "W4A16_GPTQ"
-    W8A8_SQ_PER_CHANNEL = "W8A8_SQ_PER_CHANNEL"
-    W8A8_SQ_PER_TENSOR_PLUGIN = "W8A8_SQ_PER_TENSOR_PLUGIN"
-    W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN = "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"
-    W8A8_SQ_PER_CHANNEL_PER_TENSOR_PLUGIN = "W8A8_SQ_PER_CHANNEL_PER_TENSOR_PLUGIN"
-    W8A8_SQ_PER_TENSOR_PER_TOKEN_PLUGIN = "W8A8_SQ_PER_TENSOR_PER_TOKEN_PLUGIN"
-    W4A8_QSERVE_PER_GROUP = "W4A8_QSERVE_PER_GROUP"
-    W4A8_QSERVE_PER_CHANNEL = "W4A8_QSERVE_PER_CHANNEL"
-    FP8 = "FP8"
-    FP8_PER_CHANNEL_PER_TOKEN = "FP8_PER_CHANNEL_PER_TOKEN"
-    FP8_BLOCK_SCALES = "FP8_BLOCK_SCALES"
-    INT8 = "INT8"
-    MIXED_PRECISION = "MIXED_PRECISION"
-    NVFP4 = "NVFP4"
-    W4A8_NVFP4_FP8 = "W4A8_NVFP4_FP8"
-    W4A8_MXFP4_FP8 = "W4A8_MXFP4_FP8"
-    W4A8_MXFP4_MXFP8 = "W4A8_MXFP4_MXFP8"
-    W4A16_MXFP4 = "W4A16_MXFP4"
-    NO_QUANT = "NO_QUANT"
 
 
 #: QuantAlgo names -> lmdock's QuantConfig.algo (the inverse of lmdock-trtllm's LEGACY_QUANT_ALGOS).
@@ -347,3 +326,117 @@ def foreign_fields(cls_name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
                 raise ValueError(f"{cls_name}: {name!r} is another name for {field!r}: give one of them")
             out[field] = value
     return out
+
+
+def accepts_foreign_fields(cls: type) -> type:
+    """Let ``cls(...)`` take TensorRT-LLM's field names (lmdock._config.foreign.FIELDS)."""
+    init = cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **foreign_fields(cls.__name__, kwargs))
+
+    __init__.__doc__ = init.__doc__
+    __init__.__signature__ = inspect.signature(init)  # type: ignore[attr-defined]
+    cls.__init__ = __init__  # type: ignore[misc]
+    return cls
+
+
+# -- request fields: OpenAI's and vLLM's, and SamplingParams' other names ---------------------------
+
+#: The one table of OpenAI's request fields (with vLLM's sampling extras) that set a SamplingParams
+#: field, and the field each sets: read by ``lmdock serve``, ``lmdock batch`` and SamplingParams'
+#: aliases.  Where a request gives both ``max_tokens`` and ``max_completion_tokens``, the later wins.
+OPENAI_FIELDS = {
+    "max_tokens": "max_new_tokens",
+    "max_completion_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "n": "n",
+    "stop": "stop",
+    "seed": "seed",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "ignore_eos": "ignore_eos",
+    "stop_token_ids": "stop_token_ids",
+    "include_stop_str_in_output": "include_stop_str_in_output",
+    "skip_special_tokens": "skip_special_tokens",
+    "logit_bias": "logit_bias",
+    "allowed_token_ids": "allowed_token_ids",
+    "bad_words": "bad_words",
+}
+
+#: Other tools' names for SamplingParams fields (OpenAI's and vLLM's from the table above, then
+#: transformers'), accepted as those fields by ``SamplingParams(...)``, config files and call dicts.
+#: vLLM's ``best_of`` is the beam width only with ``use_beam_search=True``; alone it (best-of-n
+#: sampling) is refused with what to use instead.
+SAMPLING_ALIASES = {
+    **{name: field for name, field in OPENAI_FIELDS.items() if name != field},
+    "num_beams": "beam_width",
+    "num_return_sequences": "n",
+    "stop_sequences": "stop",
+    "structured_outputs": "structured_output",  # vLLM's
+    "random_seed": "seed",  # TensorRT-LLM's
+}
+
+#: vLLM's ``guided_*`` request fields -> the StructuredOutput field each sets.
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def sampling_kwargs(kwargs: dict[str, Any], fields: set[str]) -> dict[str, Any]:
+    """``SamplingParams(**kwargs)``'s arguments under lmdock's field names: TensorRT-LLM's converted, vLLM's
+    ``use_beam_search`` / ``best_of`` read, ``SAMPLING_ALIASES`` renamed; an unknown name is a TypeError with a
+    did-you-mean from ``fields``."""
+    kwargs = foreign_sampling_fields(kwargs)
+    if kwargs.pop("use_beam_search", False):
+        if "best_of" in kwargs:
+            kwargs.setdefault("beam_width", kwargs.pop("best_of"))
+        kwargs.setdefault("temperature", 0.0)
+    elif "best_of" in kwargs:
+        raise TypeError("SamplingParams has no best_of (best-of-n sampling): for beam search pass beam_width=N; "
+                        "for several samples pass n=N")
+    for alias, name in SAMPLING_ALIASES.items():
+        if alias in kwargs:
+            value = kwargs.pop(alias)
+            if name in kwargs and kwargs[name] != value:
+                raise TypeError(f"SamplingParams: {alias!r} is another name for {name!r}; give one of them")
+            kwargs[name] = value
+    for key in kwargs:
+        if key not in fields:
+            close = difflib.get_close_matches(key, sorted(fields), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; its fields: {', '.join(sorted(fields))}"
+            raise TypeError(f"SamplingParams got an unexpected keyword argument {key!r}{hint}")
+    return kwargs
+
+
+# -- command-line flags ---------------------------------------------------------------------------
+
+#: vLLM's engine flags that lmdock keeps in the config file: the ``LLM(...)`` arguments of the same name.
+_CONFIG_FLAGS = ("max_model_len", "dtype", "tensor_parallel_size", "pipeline_parallel_size", "gpu_memory_utilization",
+                 "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching")
+
+
+def _config_key(name: str) -> str:
+    section, _, key = CONSTRUCTOR[name].to.path.rpartition(".")  # type: ignore[union-attr]
+    return f"[models.NAME.{section}] {key} in the config file"
+
+
+#: Flags of other tools (vLLM's, llama.cpp's, OpenAI's habits), and where lmdock keeps the same setting.
+FOREIGN_FLAGS: dict[str, str] = {
+    **{"--" + name.replace("_", "-"): _config_key(name) for name in _CONFIG_FLAGS},
+    "-tp": _config_key("tensor_parallel_size"),
+    "--max-tokens": "--max-new-tokens",
+    "--quantization": "[models.NAME.quantization] algo in the config file",
+    "--trust-remote-code": "trust_remote_code = true under [models.NAME] in the config file",
+    "--served-model-name": "the model's name in the config file ([models.NAME]) or -m NAME (lmdock serve takes it)",
+    "--tool-call-parser": "tool_parser = \"hermes\" under [models.NAME] in the config file (docs/tools.md)",
+    "--tool-parser": "tool_parser = \"hermes\" under [models.NAME] in the config file (docs/tools.md)",
+    "--reasoning-parser": "reasoning_parser = \"think\" under [models.NAME] in the config file (docs/tools.md)",
+    "--model": "-m / --model",
+    "--ctx-size": _config_key("max_seq_len"),
+    "--n-predict": "--max-new-tokens",
+    "--temp": "--temperature",
+}

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from lmdock._config.foreign import GUIDED
 from lmdock._config.json_schemas import strict_schema
 
-#: vLLM's request fields -> the StructuredOutput field each sets.
-GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 #: The keys of vLLM's ``structured_outputs`` object that lmdock honours (``json_object``: any object).
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 #: Every body field this module reads.

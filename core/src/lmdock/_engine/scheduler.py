@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-from lmdock._config.sampling import SchedulerConfig
+from lmdock._config.model import SchedulerConfig
 from lmdock._plugin.errors import QueueFullError, RequestError
 
 

@@ -13,146 +13,25 @@ the next; when only held or pinned models are left, :class:`PoolFullError` names
 first uses of a model share one load, and a failed load fails each of them with the loader's error.
 A reaper thread unloads models idle past their ``keep_alive``.
 
-Memory is measured, never guessed from file sizes: the process's resident set (plus the GPU memory
-torch holds when torch has a GPU up) across the load, then what the model's unload gave back, the
-larger of the two at its next load.  The first load of a backend also counts the backend's imports
-(torch, transformers), which stay after an unload; weights a backend maps from disk count as they
-are first read, after the load; the unload's measure sees both right.  An engine that runs in other
-processes is not seen by this measure.
+Memory is measured across each load and unload (:mod:`lmdock._models.memory`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
-import gc
 import logging
-import math
 import os
-import re
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
-from lmdock._plugin.errors import LmdockError
+from lmdock._models.memory import GIB, free_llm, gib, resident_bytes
+from lmdock._models.pooled import ModelBusyError, PooledModel, PoolFullError, keep_alive_seconds
 
 log = logging.getLogger("lmdock.pool")
-
-_GIB = 2**30
-
-
-class PoolFullError(LmdockError):
-    """No room to load a model: the models that would have to go are in use or pinned.  Retry once
-    one of them is let go, or raise ``memory_budget_gib`` / ``max_loaded_models``."""
-
-
-class ModelBusyError(LmdockError):
-    """A model cannot be unloaded now: it is pinned, or in use (unload it once it is let go)."""
-
-
-@dataclass(eq=False)  # one model: compared by identity
-class PooledModel:
-    """One model of a pool: its name, the ``LLM`` (None while unloaded) and what the pool needs to load
-    it again and decide when to unload it.
-
-    ``loader`` builds the ``LLM``; without one the model was handed over loaded and stays so.
-    ``holds``: users that took the model and have not let go (a held model is never unloaded).
-    Everything but ``name`` and ``llm`` is keyword-only, so a subclass (the server's ``ServedModel``)
-    adds positional fields of its own."""
-
-    name: str
-    llm: Any
-    loader: Callable[[], Any] | None = field(default=None, kw_only=True)
-    keep_alive: float = field(default=-1.0, kw_only=True)
-    pin: bool = field(default=False, kw_only=True)
-    holds: int = field(default=0, kw_only=True)
-    last_used: float = field(default=0.0, kw_only=True)  # time.time() of the last hold or release; 0: never
-    memory_bytes: int | None = field(default=None, kw_only=True)
-    loading: Future[Any] | None = field(default=None, kw_only=True)  # the load under way
-    unloading: bool = field(default=False, kw_only=True)  # its engine is being shut down (``llm`` is None already)
-
-    @property
-    def state(self) -> str:
-        """``loaded``, ``loading``, ``unloading`` or ``unloaded``."""
-        if self.llm is not None:
-            return "loaded"
-        return "loading" if self.loading is not None else "unloading" if self.unloading else "unloaded"
-
-    @property
-    def busy(self) -> bool:
-        """Whether someone holds the model (or waits for its load)."""
-        return self.holds > 0
-
-    @property
-    def evictable(self) -> bool:
-        """Whether the pool may unload the model now: it can be loaded again, is not pinned, nobody holds it."""
-        return self.loader is not None and not self.pin and not self.busy and self.loading is None
-
-
-_DURATION = re.compile(r"(\d+(?:\.\d*)?)(ms|s|m|h)")
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-def keep_alive_seconds(value: float | str) -> float:
-    """Ollama's ``keep_alive``: seconds, or a Go duration (``"5m"``, ``"1h30m"``, ``"300ms"``); negative
-    is for ever (-1).  Anything else is a ValueError saying what to send."""
-    if isinstance(value, str):
-        text = value.strip()
-        sign, body = (-1.0, text[1:]) if text.startswith("-") else (1.0, text)
-        try:
-            seconds = float(body)
-        except ValueError:
-            parts = _DURATION.findall(body)
-            if not parts or "".join(n + u for n, u in parts) != body:
-                raise ValueError(f"{value!r} is not a duration: send seconds, or a duration such as '5m', '1h30m', '-1'") from None
-            seconds = sum(float(n) * _UNITS[u] for n, u in parts)
-        value = sign * seconds
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{value!r} is not a duration: send seconds, or a duration such as '5m', '1h30m', '-1'")
-    return -1.0 if value < 0 else float(value)
-
-
-def resident_bytes() -> int:
-    """The process's resident memory now, plus the GPU memory torch has reserved if it has a GPU up."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            total = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):  # not Linux
-        try:
-            import psutil
-        except ImportError:
-            return 0
-        total = psutil.Process().memory_info().rss
-    torch = sys.modules.get("torch")  # never imported here: only a process that already has it has a GPU up
-    if torch is not None and torch.cuda.is_initialized():
-        total += sum(torch.cuda.memory_reserved(i) for i in range(torch.cuda.device_count()))
-    return total
-
-
-def _free(box: list[Any]) -> None:
-    """Shut the LLM in ``box`` down and give its memory back: the last reference goes, then the cycles,
-    then the GPU cache and glibc's free lists (without ``malloc_trim`` freed heap stays resident)."""
-    llm = box.pop()
-    llm.shutdown()
-    del llm
-    gc.collect()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc (musl)
-            pass
-
-
-def _gib(n: int | None) -> str:
-    return "?" if n is None else f"{n / _GIB:.2f}"
 
 
 def _done(value: Any) -> Future[Any]:
@@ -189,7 +68,7 @@ class ModelPool:
             raise ValueError(f"max_loaded_models must be an int >= 1, got {max_loaded_models!r}; None for no bound")
         self.memory_budget_gib = memory_budget_gib
         self.max_loaded_models = max_loaded_models
-        self.budget = None if memory_budget_gib is None else int(memory_budget_gib * _GIB)
+        self.budget = None if memory_budget_gib is None else int(memory_budget_gib * GIB)
         self.on_load, self.on_unload = on_load, on_unload
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # the reaper waits on it
@@ -400,7 +279,7 @@ class ModelPool:
             m.llm, m.last_used = llm, time.time()
         if self.on_load is not None:
             self.on_load(m, seconds)
-        log.info("loaded model %r in %.2f s (%s GiB)", m.name, seconds, _gib(m.memory_bytes))
+        log.info("loaded model %r in %.2f s (%s GiB)", m.name, seconds, gib(m.memory_bytes))
 
     # -- making room ----------------------------------------------------------------------------
 
@@ -414,7 +293,7 @@ class ModelPool:
         if self.budget is not None and not count_only:
             used, need = sum(o.memory_bytes or 0 for o in others), m.memory_bytes
             if used + (need or 0) > self.budget or (need is None and used >= self.budget):
-                return (f"the loaded models take {_gib(used)} GiB, model {m.name!r} {_gib(need)} GiB (measured), "
+                return (f"the loaded models take {gib(used)} GiB, model {m.name!r} {gib(need)} GiB (measured), "
                         f"and memory_budget_gib is {self.memory_budget_gib}")
         return None
 
@@ -426,7 +305,7 @@ class ModelPool:
         victims: list[PooledModel] = []
         while (why := self._short(m, victims)) is not None:
             if not idle:
-                held = [f"{o.name!r} ({'pinned' if o.pin or o.loader is None else f'{o.holds} requests'}, {_gib(o.memory_bytes)} GiB)"
+                held = [f"{o.name!r} ({'pinned' if o.pin or o.loader is None else f'{o.holds} requests'}, {gib(o.memory_bytes)} GiB)"
                         for o in self._models.values() if o is not m and o.llm is not None]
                 raise PoolFullError(f"cannot load model {m.name!r}: {why}, and the loaded models are in use or pinned: "
                                     f"{', '.join(held) or 'none'}")
@@ -454,7 +333,7 @@ class ModelPool:
     def _free_taken(self, m: PooledModel, box: list[Any], reason: str) -> None:
         before = resident_bytes()
         try:
-            _free(box)
+            free_llm(box)
             # what came back is the model's: not the backend's imports (which its first load counted), but the
             # weights it touched after the load (mmap-ed files count as they are read)
             m.memory_bytes = max(before - resident_bytes(), 0)
@@ -464,7 +343,7 @@ class ModelPool:
             with self._lock:
                 m.unloading = False
                 self._changed.notify_all()
-        log.info("unloaded model %r (%s): %s GiB resident freed", m.name, reason, _gib(m.memory_bytes))
+        log.info("unloaded model %r (%s): %s GiB resident freed", m.name, reason, gib(m.memory_bytes))
 
     def _unload(self, m: PooledModel, reason: str) -> None:
         with self._lock:

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmdock._config.sampling import ModelConfig, ServerConfig
+from lmdock._config.model import ModelConfig
+from lmdock._config.server import ServerConfig
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmdock._config.sampling import OPENAI_FIELDS
-from lmdock._config.structured_fields import GUIDED, FieldRefused, structured_output
+from lmdock._config.foreign import GUIDED, OPENAI_FIELDS
+from lmdock._config.structured_fields import FieldRefused, structured_output
 from lmdock._openai.embeddings import ENCODING_FORMATS, embedding_prompts
 from lmdock._plugin.errors import ConfigError
 from lmdock._prompts import non_text_part

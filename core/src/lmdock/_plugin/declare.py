@@ -14,7 +14,7 @@ import shutil
 from collections.abc import Callable
 from typing import Any
 
-from lmdock._config.sampling import ModelConfig, QuantConfig
+from lmdock._config.model import ModelConfig, QuantConfig
 from lmdock._plugin.contract import BackendSpec
 from lmdock._plugin.errors import UnsupportedError
 from lmdock._plugin.markers import hookimpl

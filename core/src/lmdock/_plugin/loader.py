@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from lmdock._config.file import SECTIONS, ConfigFile, find_config, load_config, model_config
-from lmdock._config.sampling import ModelConfig, SamplingParams
+from lmdock._config.model import ModelConfig
+from lmdock._config.sampling import SamplingParams
 from lmdock._config.schema import build
 from lmdock._plugin.contract import BackendSpec, RequestEngine
 from lmdock._plugin.errors import BackendError, ConfigError, LmdockError, RequestError, UnsupportedError

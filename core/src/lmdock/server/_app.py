@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from lmdock._config.sampling import ServerConfig
+from lmdock._config.server import ServerConfig
 from lmdock.server import (
     serving_chat,
     serving_completion,

@@ -28,7 +28,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from lmdock._config.sampling import ServerConfig
+from lmdock._config.server import ServerConfig
 from lmdock.server._errors import error_body
 from lmdock.server._guard import send_error
 

@@ -18,8 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmdock._config.sampling import ModelConfig, ServerConfig
-from lmdock._models.pool import ModelBusyError, ModelPool, PooledModel, PoolFullError
+from lmdock._config.model import ModelConfig
+from lmdock._config.server import ServerConfig
+from lmdock._models.pool import ModelPool
+from lmdock._models.pooled import ModelBusyError, PooledModel, PoolFullError
 from lmdock.server._errors import APIError
 from lmdock.server._metrics import Metrics
 

@@ -1,5 +1,5 @@
 """Request bodies in OpenAI's shapes (with vLLM's sampling extras), their mapping to SamplingParams
-through the one table of OpenAI's names (``lmdock._config.sampling.OPENAI_FIELDS``; the output constraints
+through the one table of OpenAI's names (``lmdock._config.foreign.OPENAI_FIELDS``; the output constraints
 through ``lmdock.server._structured``), and the usage object.
 
 A field a body does not know is refused with a 400 naming it (and the closest known field), as
@@ -15,8 +15,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from lmdock._config.sampling import OPENAI_FIELDS
-from lmdock._models.pool import keep_alive_seconds
+from lmdock._config.foreign import OPENAI_FIELDS
+from lmdock._models.pooled import keep_alive_seconds
 from lmdock._outputs import RequestOutput
 from lmdock._prompts import non_text_part
 from lmdock.server._errors import APIError

@@ -31,7 +31,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from lmdock._config.sampling import ModelConfig
+from lmdock._config.model import ModelConfig
 from lmdock._models.replicas import ReplicaPlan
 from lmdock._plugin.errors import ConfigError, EngineClosedError
 from lmdock._sinks import AsyncQueueSink

@@ -18,7 +18,8 @@ from typing import Any
 import uvicorn
 
 from lmdock._config.file import ConfigFile, find_config, load_config
-from lmdock._config.sampling import ModelConfig, ServerConfig
+from lmdock._config.model import ModelConfig
+from lmdock._config.server import ServerConfig
 from lmdock._models.replicas import ReplicaPlan, replica_plan
 from lmdock._plugin.errors import ConfigError
 from lmdock.server._app import create_app

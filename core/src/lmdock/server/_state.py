@@ -8,7 +8,8 @@ from typing import Any
 
 from fastapi import Request
 
-from lmdock._config.sampling import OPENAI_FIELDS, ServerConfig
+from lmdock._config.foreign import OPENAI_FIELDS
+from lmdock._config.server import ServerConfig
 from lmdock._lora import LoRARequest
 from lmdock._plugin.errors import ConfigError, listed
 from lmdock.server._errors import APIError, as_api_error

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from lmdock._config.sampling import ServerConfig
+from lmdock._config.server import ServerConfig
 from lmdock.server._errors import APIError
 
 

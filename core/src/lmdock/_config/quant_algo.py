@@ -1,0 +1,33 @@
+"""TensorRT-LLM's ``QuantAlgo`` names, for code written against its ``QuantConfig`` (``lmdock.QuantAlgo``)."""
+
+from __future__ import annotations
+
+
+class QuantAlgo:
+    """TensorRT-LLM's ``QuantAlgo`` names (``QuantAlgo.W4A16_AWQ``), as strings: ``QuantConfig(quant_algo=...)``
+    reads the ones lmdock has (``QUANT_ALGOS``) and refuses the others by name."""
+
+    W8A16 = "W8A16"
+    W4A16 = "W4A16"
+    W4A16_AWQ = "W4A16_AWQ"
+    W4A8_AWQ = "W4A8_AWQ"
+    W8A16_GPTQ = "W8A16_GPTQ"
+    W4A16_GPTQ = "W4A16_GPTQ"
+    W8A8_SQ_PER_CHANNEL = "W8A8_SQ_PER_CHANNEL"
+    W8A8_SQ_PER_TENSOR_PLUGIN = "W8A8_SQ_PER_TENSOR_PLUGIN"
+    W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN = "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"
+    W8A8_SQ_PER_CHANNEL_PER_TENSOR_PLUGIN = "W8A8_SQ_PER_CHANNEL_PER_TENSOR_PLUGIN"
+    W8A8_SQ_PER_TENSOR_PER_TOKEN_PLUGIN = "W8A8_SQ_PER_TENSOR_PER_TOKEN_PLUGIN"
+    W4A8_QSERVE_PER_GROUP = "W4A8_QSERVE_PER_GROUP"
+    W4A8_QSERVE_PER_CHANNEL = "W4A8_QSERVE_PER_CHANNEL"
+    FP8 = "FP8"
+    FP8_PER_CHANNEL_PER_TOKEN = "FP8_PER_CHANNEL_PER_TOKEN"
+    FP8_BLOCK_SCALES = "FP8_BLOCK_SCALES"
+    INT8 = "INT8"
+    MIXED_PRECISION = "MIXED_PRECISION"
+    NVFP4 = "NVFP4"
+    W4A8_NVFP4_FP8 = "W4A8_NVFP4_FP8"
+    W4A8_MXFP4_FP8 = "W4A8_MXFP4_FP8"
+    W4A8_MXFP4_MXFP8 = "W4A8_MXFP4_MXFP8"
+    W4A16_MXFP4 = "W4A16_MXFP4"
+    NO_QUANT = "NO_QUANT"
