@@ -72,7 +72,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 async def in_process_round(llm: Any, prompts: list[list[int]], n: int) -> dict[str, Any]:
     """One timed round of the streamed workload on the in-process ``llm``."""
     from lmdock import SamplingParams
-    from lmdock._sinks import AsyncQueueSink
+    from lmdock._llm.streams import AsyncQueueSink
 
     params = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
 

@@ -447,7 +447,7 @@ def _idle(stats: dict) -> bool:
 def test_sampling_params_and_make_request_are_what_generate_runs(fake: FakePlugin) -> None:
     """The public calls a front end (lmdock serve, lmdock batch) builds requests with."""
     from lmdock import ConfigError
-    from lmdock._sinks import QueueSink
+    from lmdock._llm.streams import QueueSink
 
     with LLM("m", backend="fake") as llm:
         params = llm.sampling_params({"max_new_tokens": 5, "temperature": 0, "ignore_eos": True})

@@ -24,8 +24,8 @@ from lmdock import (
     _plugins,
 )
 from lmdock import hookimpl as lmdock_hookimpl
-from lmdock._outputs import RequestOutput
-from lmdock._sinks import RequestFuture
+from lmdock._llm.outputs import RequestOutput
+from lmdock._llm.streams import RequestFuture
 from lmdock.backend import BackendSpec
 
 pytestmark = pytest.mark.usefixtures("host_overlap")

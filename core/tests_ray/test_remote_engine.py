@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 from lmdock._errors import EngineClosedError
-from lmdock._outputs import CompletionOutput, RequestOutput
-from lmdock._sinks import QueueSink
+from lmdock._llm.outputs import CompletionOutput, RequestOutput
+from lmdock._llm.streams import QueueSink
 from lmdock.server._ray import RETRIES, RemoteEngine
 from ray.exceptions import ActorDiedError
 

@@ -8,7 +8,6 @@ first access (they pull asyncio, concurrent.futures and pluggy), as is ``ModelPo
 from __future__ import annotations
 
 from lmdock._aliases import QuantAlgo
-from lmdock._beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from lmdock._config import ConfigFile, config_schema, find_config, load_config
 from lmdock._errors import (
     BackendError,
@@ -21,8 +20,9 @@ from lmdock._errors import (
     RequestError,
     UnsupportedError,
 )
-from lmdock._lora import LoRARequest
-from lmdock._outputs import (
+from lmdock._llm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from lmdock._llm.lora import LoRARequest
+from lmdock._llm.outputs import (
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -31,6 +31,7 @@ from lmdock._outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
+from lmdock._llm.tokenizer import Tokenizer
 from lmdock._params import (
     BuildConfig,
     KvCacheConfig,
@@ -43,7 +44,6 @@ from lmdock._params import (
     ServerConfig,
     StructuredOutput,
 )
-from lmdock._tokenizer import Tokenizer
 
 #: vLLM's name for :class:`StructuredOutput` (``SamplingParams(structured_outputs=StructuredOutputsParams(json=...))``).
 StructuredOutputsParams = StructuredOutput
@@ -54,13 +54,13 @@ __version__ = "0.1.0"
 #: ``lmdock.backend`` is the backend authors' namespace, so ``import lmdock`` is enough to write
 #: ``lmdock.backend.BackendSpec``.
 _LAZY = {
-    "AsyncLM": ("lmdock._genlm", "AsyncLM"),
-    "LLM": ("lmdock._llm", "LLM"),
-    "load_model_by_name": ("lmdock._genlm", "load_model_by_name"),
+    "AsyncLM": ("lmdock._llm.genlm", "AsyncLM"),
+    "LLM": ("lmdock._llm.facade", "LLM"),
+    "load_model_by_name": ("lmdock._llm.genlm", "load_model_by_name"),
     "ModelBusyError": ("lmdock._pool", "ModelBusyError"),
     "ModelPool": ("lmdock._pool", "ModelPool"),
     "PoolFullError": ("lmdock._pool", "PoolFullError"),
-    "RequestFuture": ("lmdock._sinks", "RequestFuture"),
+    "RequestFuture": ("lmdock._llm.streams", "RequestFuture"),
     "hookimpl": ("lmdock._hooks", "hookimpl"),
     "backend": ("lmdock.backend", None),
 }

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from lmdock._errors import ConfigError
+from lmdock._llm.prompts import non_text_part
 from lmdock._openai_embeddings import ENCODING_FORMATS, embedding_prompts
 from lmdock._params import OPENAI_FIELDS
-from lmdock._prompts import non_text_part
 from lmdock._structured_fields import GUIDED, FieldRefused, structured_output
 
 #: Each endpoint, and the body field that holds its input.

@@ -50,7 +50,7 @@ def _interrupted(hard: bool) -> int:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the shutdown
-    llm_module = sys.modules.get("lmdock._llm")
+    llm_module = sys.modules.get("lmdock._llm.facade")
     if llm_module is not None:
         llm_module.shutdown_all()
     if not hard:
@@ -191,7 +191,7 @@ def _model_args(p: Parser) -> None:
 
 
 def _llm(args: argparse.Namespace) -> Any:
-    from lmdock._llm import LLM
+    from lmdock._llm.facade import LLM
 
     return LLM(args.model, backend=args.backend, config=args.config)
 
@@ -443,7 +443,7 @@ def _chat_turn(llm: Any, messages: list[dict[str, str]], params: Any, template: 
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
-    from lmdock._batch import run_batch
+    from lmdock._llm.batch import run_batch
 
     return run_batch(args, _read_template(args.chat_template))
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lmdock._aliases import foreign_fields, foreign_sampling_fields
-from lmdock._lora import ADAPTER_NAME
+from lmdock._llm.lora import ADAPTER_NAME
 from lmdock._schema import check
 
 _INF = float("inf")

@@ -27,11 +27,11 @@ from lmdock._declare import Backend, has_nvidia_gpu
 from lmdock._errors import BackendError, EngineClosedError, RequestError, UnsupportedError
 from lmdock._files import read_model_json
 from lmdock._hooks import hookimpl
-from lmdock._lora import LoRAModule, read_lora_adapter
-from lmdock._outputs import CompletionOutput, Logprob, RequestOutput
+from lmdock._llm.lora import LoRAModule, read_lora_adapter
+from lmdock._llm.outputs import CompletionOutput, Logprob, RequestOutput
+from lmdock._llm.streams import safe_fail, safe_put
+from lmdock._llm.tokenizer import Tokenizer
 from lmdock._params import ModelConfig, PoolingParams
-from lmdock._sinks import safe_fail, safe_put
-from lmdock._tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from lmdock._engine.beam import BeamSearch

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from lmdock._engine.failures import settle_future
 from lmdock._errors import EngineClosedError
-from lmdock._sinks import safe_fail
+from lmdock._llm.streams import safe_fail
 
 if TYPE_CHECKING:
     import numpy as np

@@ -13,7 +13,7 @@ from lmdock._contract import SeqChunk
 from lmdock._engine.failures import Failure, as_request_error
 from lmdock._engine.sampler import Sample, log_softmax
 from lmdock._engine.sequence import Req, Seq
-from lmdock._outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from lmdock._llm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 
 #: Tokens before a token decoded with it for its ``decoded_token`` (a SentencePiece space, a character
 #: split over byte tokens)

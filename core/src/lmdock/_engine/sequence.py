@@ -23,7 +23,7 @@ from lmdock._engine.stops import StopStrings
 
 if TYPE_CHECKING:
     from lmdock._contract import EngineRequest, OutputSink, StepEngine
-    from lmdock._outputs import PositionLogprobs
+    from lmdock._llm.outputs import PositionLogprobs
 
 
 class Seq:

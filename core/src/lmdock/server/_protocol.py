@@ -15,10 +15,10 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from lmdock._outputs import RequestOutput
+from lmdock._llm.outputs import RequestOutput
+from lmdock._llm.prompts import non_text_part
 from lmdock._params import OPENAI_FIELDS
 from lmdock._pool import keep_alive_seconds
-from lmdock._prompts import non_text_part
 from lmdock.server._errors import APIError
 from lmdock.server._structured import structured_output
 

@@ -32,9 +32,9 @@ from collections.abc import Callable
 from typing import Any
 
 from lmdock._errors import ConfigError, EngineClosedError
+from lmdock._llm.streams import AsyncQueueSink
 from lmdock._params import ModelConfig
 from lmdock._replicas import ReplicaPlan
-from lmdock._sinks import AsyncQueueSink
 from lmdock.server._streaming import submit
 
 #: the Ray Serve application holding model NAME's replicas
@@ -215,7 +215,7 @@ class RemoteEngine:
 def replicated(name: str, plan: ReplicaPlan, model: str, **kwargs: Any) -> Callable[[], Any]:
     """A loader for the front end: ``LLM(model, **kwargs)`` in each replica of ``plan``, and here an
     ``LLM`` over their :class:`RemoteEngine` (the model is not loaded in the front end)."""
-    from lmdock._llm import LLM
+    from lmdock._llm.facade import LLM
 
     def deploy(mc: ModelConfig) -> tuple[RemoteEngine, Any]:
         from ray import serve

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Request
 
 from lmdock._errors import ConfigError, listed
-from lmdock._lora import LoRARequest
+from lmdock._llm.lora import LoRARequest
 from lmdock._params import OPENAI_FIELDS, ServerConfig
 from lmdock.server._errors import APIError, as_api_error
 from lmdock.server._metrics import Metrics

@@ -17,9 +17,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from lmdock._lora import LoRARequest
-from lmdock._outputs import CompletionOutput, RequestOutput
-from lmdock._sinks import AsyncQueueSink
+from lmdock._llm.lora import LoRARequest
+from lmdock._llm.outputs import CompletionOutput, RequestOutput
+from lmdock._llm.streams import AsyncQueueSink
 from lmdock.server._errors import APIError, as_api_error
 from lmdock.server._metrics import RequestTimer
 from lmdock.server._state import ServedModel, ServerState, state_of

@@ -20,8 +20,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from lmdock._errors import LmdockError
-from lmdock._logprobs import chat_logprobs
-from lmdock._outputs import CompletionOutput, RequestOutput
+from lmdock._llm.logprobs import chat_logprobs
+from lmdock._llm.outputs import CompletionOutput, RequestOutput
 from lmdock.server._advisory import Ignored
 from lmdock.server._errors import APIError, as_api_error
 from lmdock.server._protocol import ChatRequest, usage

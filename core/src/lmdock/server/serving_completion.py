@@ -10,8 +10,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from lmdock._logprobs import legacy_logprobs
-from lmdock._outputs import RequestOutput
+from lmdock._llm.logprobs import legacy_logprobs
+from lmdock._llm.outputs import RequestOutput
 from lmdock.server._errors import as_api_error
 from lmdock.server._protocol import CompletionRequest, usage
 from lmdock.server._state import state_of

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
 from lmdock._errors import LmdockError, listed
-from lmdock._lora import ADAPTER_NAME, LoRARequest, read_lora_adapter
+from lmdock._llm.lora import ADAPTER_NAME, LoRARequest, read_lora_adapter
 from lmdock.server._errors import APIError
 from lmdock.server._protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from lmdock.server._state import ServedModel, ServerState, state_of

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmdock._outputs import PositionLogprobs
+from lmdock._llm.outputs import PositionLogprobs
 from lmdock._params import SamplingParams, StructuredOutput
 
 

@@ -9,9 +9,9 @@ from typing import Any
 
 from lmdock._contract import PoolingInput
 from lmdock._errors import RequestError, UnsupportedError
-from lmdock._outputs import EmbeddingOutput, EmbeddingRequestOutput, ScoringOutput, ScoringRequestOutput
+from lmdock._llm.outputs import EmbeddingOutput, EmbeddingRequestOutput, ScoringOutput, ScoringRequestOutput
+from lmdock._llm.prompts import Prompt, indexed
 from lmdock._params import ModelConfig, PoolingParams
-from lmdock._prompts import Prompt, indexed
 from lmdock._schema import build
 
 #: Pooling parameters as a call takes them: complete params, a dict of fields, or None (the defaults).

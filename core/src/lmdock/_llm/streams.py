@@ -11,7 +11,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from lmdock._outputs import RequestOutput
+from lmdock._llm.outputs import RequestOutput
 
 log = logging.getLogger("lmdock")
 

@@ -19,15 +19,24 @@ from lmdock._aliases import constructor_options
 from lmdock._config import SERVE_ONLY_KEYS
 from lmdock._contract import EngineRequest, RequestEngine
 from lmdock._errors import ConfigError, EngineClosedError, QueueFullError, RequestError, UnsupportedError
+from lmdock._llm.embed import PoolingArg, PoolingCalls
+from lmdock._llm.lora import LoRAArg, LoRARequest, lora_per_prompt
+from lmdock._llm.outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
+from lmdock._llm.progress import Progress
+from lmdock._llm.prompts import (
+    Prompt,
+    as_batch,
+    as_prompt,
+    content_as,
+    indexed,
+    indexed_error,
+    token_id_prompts,
+    truncated,
+)
+from lmdock._llm.streams import AsyncQueueSink, QueueSink, RequestFuture
 from lmdock._loader import load_engine, resolve_model
-from lmdock._lora import LoRAArg, LoRARequest, lora_per_prompt
-from lmdock._outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
 from lmdock._params import EditableSamplingParams, SamplingParams, StructuredOutput
-from lmdock._pooling_calls import PoolingArg, PoolingCalls
-from lmdock._progress import Progress
-from lmdock._prompts import Prompt, as_batch, as_prompt, content_as, indexed, indexed_error, token_id_prompts, truncated
 from lmdock._schema import build, resolve_aliases
-from lmdock._sinks import AsyncQueueSink, QueueSink, RequestFuture
 
 if TYPE_CHECKING:
     from lmdock._contract import BackendSpec
@@ -462,7 +471,7 @@ class LLM:
         """vLLM's ``LLM.beam_search(prompts, BeamSearchParams(beam_width, max_tokens, ...))``: one
         ``BeamSearchOutput`` per prompt, whose ``sequences`` (best first) hold the prompt's and the
         beam's tokens, their text, and ``cum_logprob``.  Runs lmdock's beam search (``beam_width``)."""
-        from lmdock._beam_search import beam_search
+        from lmdock._llm.beam_search import beam_search
 
         return beam_search(self, prompts, params, use_tqdm)
 
