@@ -129,7 +129,7 @@ def test_snapshots_waiting_together_go_out_as_one() -> None:
     from lmdock.server._metrics import Metrics
     from lmdock.server._pool import ServedPool
     from lmdock.server._state import ServerState
-    from lmdock.server._streaming import engine_stream
+    from lmdock.server._engine_streams import engine_stream
 
     engine = FakeStreamingEngine()
     async def no_grammar(params: Any) -> None:  # the request has none to check

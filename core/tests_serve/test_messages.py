@@ -237,7 +237,7 @@ def test_an_error_after_the_start_is_each_apis_error_event() -> None:
 
     from lmdock.server._chat_bridge import _named
     from lmdock.server._responses_output import EventSequence
-    from lmdock.server._streaming import DONE, sse
+    from lmdock.server._engine_streams import DONE, sse
     from lmdock.server.serving_messages import _error_event
 
     async def lines() -> object:

@@ -22,7 +22,7 @@ from lmdock.server import serving_chat
 from lmdock.server._advisory import Ignored, reasoning_knobs
 from lmdock.server._errors import APIError
 from lmdock.server._protocol import ChatRequest, unknown_field
-from lmdock.server._streaming import DONE, sse, sse_response
+from lmdock.server._engine_streams import DONE, sse, sse_response
 
 
 def refuse_keys(item: dict[str, Any], known: frozenset[str], where: str) -> None:

@@ -35,7 +35,7 @@ from lmdock._errors import ConfigError, EngineClosedError
 from lmdock._llm.streams import AsyncQueueSink
 from lmdock._params import ModelConfig
 from lmdock._replicas import ReplicaPlan
-from lmdock.server._streaming import submit
+from lmdock.server._engine_streams import submit
 
 #: the Ray Serve application holding model NAME's replicas
 APP_PREFIX = "lmdock-"

@@ -26,7 +26,7 @@ from lmdock.server._advisory import Ignored
 from lmdock.server._errors import APIError, as_api_error
 from lmdock.server._protocol import ChatRequest, usage
 from lmdock.server._state import ServedModel, ServerState, state_of
-from lmdock.server._streaming import (
+from lmdock.server._engine_streams import (
     Admission,
     choice_deltas,
     collect,

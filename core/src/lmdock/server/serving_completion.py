@@ -15,7 +15,7 @@ from lmdock._llm.outputs import RequestOutput
 from lmdock.server._errors import as_api_error
 from lmdock.server._protocol import CompletionRequest, usage
 from lmdock.server._state import state_of
-from lmdock.server._streaming import (
+from lmdock.server._engine_streams import (
     choice_deltas,
     collect,
     sse_response,

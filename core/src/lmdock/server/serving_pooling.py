@@ -15,7 +15,7 @@ from lmdock._openai_embeddings import embedding_prompts, embeddings_response
 from lmdock.server._errors import APIError, as_api_error
 from lmdock.server._protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from lmdock.server._state import ServedModel, state_of
-from lmdock.server._streaming import Admission, unless_disconnected
+from lmdock.server._engine_streams import Admission, unless_disconnected
 
 router = APIRouter()
 
