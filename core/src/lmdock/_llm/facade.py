@@ -274,11 +274,14 @@ class LLM:
         conversations = [content_as(chat_template_content_format, conv) for conv in conversations]  # type: ignore[arg-type]
         params = self._params(sampling_params)
         loras = lora_per_prompt(lora_request, len(conversations), self.model_config.adapters)
-        calls = [ChatCall(self, conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,  # type: ignore[arg-type]
-                          continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
-                          tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls, lora_request=lora)
-                 for conv, lora in zip(conversations, loras)]
-        requests = [indexed(i, len(calls), lambda c: c.request(c.constrain(params)), call) for i, call in enumerate(calls)]
+        calls, requests = [], []
+        for i, (conv, lora) in enumerate(zip(conversations, loras)):
+            call = ChatCall(self, conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,  # type: ignore[arg-type]
+                            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
+                            tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls, lora_request=lora)
+            call.render()
+            requests.append(indexed(i, len(conversations), call.request, call.constrain(params)))
+            calls.append(call)
         return [call.read(out) for call, out in zip(calls, self._run_batch(requests, use_tqdm))]
 
     def chat_plan(self, tools: Any = None, tool_choice: Any = None, parallel_tool_calls: bool | None = None,
