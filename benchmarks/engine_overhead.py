@@ -98,7 +98,7 @@ def measure(batch: int, tokens: int, params: Any, compute_s: float = 0.0, async_
     from lmdock._engine.runner import StepRunner
     from lmdock._engine.sampler import ReferenceSampler
     from lmdock._engine.scheduler import FcfsScheduler
-    from lmdock._sinks import RequestFuture
+    from lmdock._llm.streams import RequestFuture
     from lmdock.backend import EngineRequest
 
     engine = ZeroComputeEngine(compute_s, vocab)

@@ -69,10 +69,23 @@ from _common import (  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+class _LoopSink:
+    """The engine's outputs on an asyncio queue of the reader's loop: the engine used directly, with
+    none of lmdock's stream plumbing between it and the reader."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    def put(self, output: Any) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
+
+    fail = put
+
+
 async def in_process_round(llm: Any, prompts: list[list[int]], n: int) -> dict[str, Any]:
     """One timed round of the streamed workload on the in-process ``llm``."""
     from lmdock import SamplingParams
-    from lmdock._sinks import AsyncQueueSink
 
     params = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
 
@@ -81,7 +94,7 @@ async def in_process_round(llm: Any, prompts: list[list[int]], n: int) -> dict[s
         # text; count outputs by tokens, as the server sends a chunk per step with new tokens.
         tr = Trace()
         request = llm.make_request(ids, params, stream=True)
-        sink = AsyncQueueSink(asyncio.get_running_loop())
+        sink = _LoopSink(asyncio.get_running_loop())
         llm.engine.submit(request, sink)
         seen = 0
         while True:

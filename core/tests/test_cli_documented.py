@@ -28,19 +28,19 @@ from lmdock._config.foreign import FOREIGN_FLAGS
 ])
 def test_each_documented_sampling_flag_reaches_its_field(fake: Any, capsys: pytest.CaptureFixture[str], argv: list[str],
                                                           field: str, value: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from lmdock import LLM
+    from lmdock._llm import facade
 
     seen: list[Any] = []
-    monkeypatch.setattr(LLM, "_request", _recording(LLM._request, seen))
+    monkeypatch.setattr(facade, "engine_request", _recording(facade.engine_request, seen))
     assert main(["generate", "-m", "m", "--backend", "fake", "--json", "--max-tokens", "3", *argv, "ab"]) == 0
     json.loads(capsys.readouterr().out)
     assert seen and getattr(seen[-1], field) == value
 
 
 def _recording(request: Any, seen: list[Any]) -> Any:
-    def wrapped(self: Any, prompt: Any, params: Any, *a: Any, **kw: Any) -> Any:
+    def wrapped(llm: Any, prompt: Any, params: Any, *a: Any, **kw: Any) -> Any:
         seen.append(params)
-        return request(self, prompt, params, *a, **kw)
+        return request(llm, prompt, params, *a, **kw)
     return wrapped
 
 

@@ -111,7 +111,7 @@ def test_chat_stream_and_json(fake: object, tmp_path: Path, capsys: pytest.Captu
 
 
 def test_batch_progress_shows_tokens_per_second_and_eta(capsys: pytest.CaptureFixture[str]) -> None:
-    from lmdock._progress import Progress  # lmdock batch's bar, shared with LLM.generate
+    from lmdock._llm.progress import Progress  # lmdock batch's bar, shared with LLM.generate
 
     bar = Progress(4, enabled=True)
     bar.update(10)

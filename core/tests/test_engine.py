@@ -447,7 +447,7 @@ def _idle(stats: dict) -> bool:
 def test_sampling_params_and_make_request_are_what_generate_runs(fake: FakePlugin) -> None:
     """The public calls a front end (lmdock serve, lmdock batch) builds requests with."""
     from lmdock import ConfigError
-    from lmdock._sinks import QueueSink
+    from lmdock._llm.streams import RequestStream
 
     with LLM("m", backend="fake") as llm:
         params = llm.sampling_params({"max_new_tokens": 5, "temperature": 0, "ignore_eos": True})
@@ -460,9 +460,9 @@ def test_sampling_params_and_make_request_are_what_generate_runs(fake: FakePlugi
         assert llm.make_request("abc", params, add_special_tokens=False).prompt_token_ids != request.prompt_token_ids
         with pytest.raises(RequestError, match="empty"):
             llm.make_request("", params)
-        sink = QueueSink()
-        llm.engine.submit(request, sink)
+        stream = RequestStream(request.request_id, llm.engine.abort)
+        llm.engine.submit(request, stream)
         outs = []
         while not outs or not outs[-1].finished:
-            outs.append(sink.queue.get(timeout=30))
+            outs.append(stream.get(timeout=30))
         assert outs[-1].outputs[0].token_ids == llm.generate("abc", params)[0].outputs[0].token_ids

@@ -18,9 +18,9 @@ from lmdock import (
     SamplingParams,
 )
 from lmdock import hookimpl as lmdock_hookimpl
-from lmdock._outputs import RequestOutput
+from lmdock._llm.outputs import RequestOutput
+from lmdock._llm.streams import RequestFuture
 from lmdock._plugin import manager as _plugins
-from lmdock._sinks import RequestFuture
 from lmdock.backend import BackendSpec
 
 pytestmark = pytest.mark.usefixtures("host_overlap")

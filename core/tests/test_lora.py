@@ -277,7 +277,7 @@ def test_a_lora_module_is_checked_against_the_models_layer(tmp_path: Any) -> Non
 def test_a_lora_rank_past_the_default_bound_is_refused(tmp_path: Any) -> None:
     """With no build.max_lora_rank, ranks above DEFAULT_MAX_LORA_RANK (64, docs/lora.md) are refused
     from the header alone, before any weight is read (a rank-200,000 adapter cost +100 MB)."""
-    from lmdock._lora import DEFAULT_MAX_LORA_RANK
+    from lmdock._llm.lora import DEFAULT_MAX_LORA_RANK
     from lmdock.backend import read_lora_adapter
 
     assert DEFAULT_MAX_LORA_RANK == 64

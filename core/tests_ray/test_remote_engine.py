@@ -5,13 +5,14 @@ a replica die at a chosen point; the real deployment is tested in ``test_replica
 from __future__ import annotations
 
 import asyncio
+import queue
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from lmdock._outputs import CompletionOutput, RequestOutput
+from lmdock._llm.outputs import CompletionOutput, RequestOutput
+from lmdock._llm.streams import RequestStream
 from lmdock._plugin.errors import EngineClosedError
-from lmdock._sinks import QueueSink
 from lmdock.server._ray import RETRIES, RemoteEngine
 from ray.exceptions import ActorDiedError
 
@@ -53,7 +54,7 @@ class _Request:
 def _run(plans: list[str]) -> tuple[list[Any], RemoteEngine, FakeHandle]:
     handle = FakeHandle(plans)
     engine = RemoteEngine({"max_seq_len": 256}, handle, "m")
-    sink = QueueSink()
+    sink = RequestStream("r1", lambda rid: None)
 
     async def go() -> None:
         engine.submit(_Request(), sink)
@@ -61,8 +62,11 @@ def _run(plans: list[str]) -> tuple[list[Any], RemoteEngine, FakeHandle]:
 
     asyncio.run(go())
     items = []
-    while not sink.queue.empty():
-        items.append(sink.queue.get())
+    while True:
+        try:
+            items.append(sink.get(timeout=0))
+        except queue.Empty:
+            break
     return items, engine, handle
 
 

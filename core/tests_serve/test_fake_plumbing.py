@@ -8,6 +8,7 @@ embedding model is tested through these routes where LLM.embed exists.
 from __future__ import annotations
 
 import base64
+import functools
 import struct
 from types import SimpleNamespace
 from typing import Any
@@ -126,23 +127,25 @@ class FakeStreamingEngine:
 def test_snapshots_waiting_together_go_out_as_one() -> None:
     import asyncio
 
+    from lmdock.server._engine_streams import engine_stream
     from lmdock.server._metrics import Metrics
     from lmdock.server._pool import ServedPool
     from lmdock.server._state import ServerState
-    from lmdock.server._streaming import engine_stream
 
     engine = FakeStreamingEngine()
     async def no_grammar(params: Any) -> None:  # the request has none to check
         pass
 
-    request = SimpleNamespace(request_id="r1", params=SimpleNamespace(structured_output=None))
-    llm = SimpleNamespace(engine=engine, acheck_grammar=no_grammar,
-                          make_request=lambda prompt, params, stream, add_special_tokens, lora_request=None: request)
+    from lmdock import LLM
+
+    request = SimpleNamespace(request_id="r1", params=SimpleNamespace(structured_output=None), lora_request=None)
+    llm = SimpleNamespace(engine=engine, acheck_grammar=no_grammar)
+    llm.open_stream = functools.partial(LLM.open_stream, llm)  # the LLM's own, over the fake engine
     metrics = Metrics(lambda: {})
     state = ServerState(models={}, settings=ServerConfig(), api_key=None, metrics=metrics, pool=ServedPool({}, ServerConfig(), metrics))
 
     async def run() -> list[Any]:
-        return [out async for out in engine_stream(state, SimpleNamespace(llm=llm, name="fake"), "p", None)]
+        return [out async for out in engine_stream(state, SimpleNamespace(llm=llm, name="fake"), lambda: request, None)]
 
     outs = asyncio.run(run())
     # all five were queued before the first was taken: the newest (finished) one is the only one sent

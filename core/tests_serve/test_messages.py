@@ -232,28 +232,31 @@ def test_a_reasoning_model_answers_with_a_thinking_block(served: Server) -> None
 
 def test_an_error_after_the_start_is_each_apis_error_event() -> None:
     # No real backend fails on cue mid-stream: this feeds the SSE re-encoder the lines the chat
-    # route's stream writes (an event, then an error body after a failure, then [DONE]).
+    # route's stream writes (an event, then the error event of a failure in the called API's
+    # dialect, then [DONE]).
     import asyncio
+    from types import SimpleNamespace
 
     from lmdock.server._chat_bridge import _named
+    from lmdock.server._errors import APIError
     from lmdock.server._responses_output import EventSequence
-    from lmdock.server._streaming import DONE, sse
-    from lmdock.server.serving_messages import _error_event
+    from lmdock.server._sse import DONE, error_event, sse
 
-    async def lines() -> object:
-        for line in (sse({"type": "ping"}), sse({"error": {"message": "engine died", "type": "server_error", "param": None,
-                                                           "code": "503"}}), DONE):
-            yield line
+    def lines(path: str) -> object:
+        async def gen() -> object:
+            for line in (sse({"type": "ping"}), error_event(SimpleNamespace(scope={"path": path}), APIError(503, "engine died")), DONE):
+                yield line
+        return gen()
 
-    async def encoded(error_event: object) -> list[str]:
-        return [x async for x in _named(lines(), error_event)]  # type: ignore[arg-type]
+    async def encoded(path: str, on_error: object) -> list[str]:
+        return [x async for x in _named(lines(path), on_error)]  # type: ignore[arg-type]
 
-    ping, error = asyncio.run(encoded(_error_event))
+    ping, error = asyncio.run(encoded("/v1/messages", None))
     assert ping == 'event: ping\ndata: {"type":"ping"}\n\n'
     assert error == 'event: error\ndata: {"type":"error","error":{"type":"overloaded_error","message":"engine died"}}\n\n'
     seq = EventSequence()
     seq.number = 7
-    _, error = asyncio.run(encoded(seq.error))
+    _, error = asyncio.run(encoded("/v1/responses", seq.error))
     head, data = error.split("\n", 1)
     assert head == "event: error"
     assert json.loads(data.removeprefix("data: ")) == {"type": "error", "sequence_number": 7, "code": "503",

@@ -82,8 +82,6 @@ def test_every_server_module_is_in_the_servers_code_map() -> None:
 #: Folders mapped in their own guide rather than in docs/code-map.md.
 MAPPED_ELSEWHERE = {"_engine": "docs/engine.md", "server": "docs/server.md"}
 #: The facade's modules still at the top level while issue 41 moves them into ``_llm/``: counted as ``_llm/``.
-LLM_MODULES = {"_llm", "_sinks", "_outputs", "_beam_search", "_genlm", "_lora", "_tokenizer", "_prompts", "_logprobs",
-               "_pooling_calls", "_progress", "_batch"}
 
 
 def _code_map_sections() -> dict[str, set[str]]:
@@ -106,7 +104,7 @@ def test_every_folder_of_the_core_is_in_the_code_map() -> None:
     every module it has and none that is gone, and a table of the top level's entries."""
     core = ROOT / "core" / "src" / "lmdock"
     sections = _code_map_sections()
-    top = {"_llm/" if p.stem in LLM_MODULES else p.name + "/" if p.is_dir() else p.name
+    top = {p.name + "/" if p.is_dir() else p.name
            for p in core.iterdir() if p.name != "__pycache__"}
     assert len(top) <= 15, f"the core's top level has {len(top)} entries; group them into folders (issue 41): {sorted(top)}"
     assert sections["Top level"] == top, f"docs/code-map.md's top-level table: add {sorted(top - sections['Top level'])}, " \

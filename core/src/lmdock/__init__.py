@@ -7,15 +7,15 @@ first access (they pull asyncio, concurrent.futures and pluggy), as is ``ModelPo
 
 from __future__ import annotations
 
-from lmdock._beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from lmdock._config.file import ConfigFile, config_schema, find_config, load_config
 from lmdock._config.model import BuildConfig, KvCacheConfig, ModelConfig, OffloadPolicy, QuantConfig, SchedulerConfig
 from lmdock._config.pooling import PoolingParams
 from lmdock._config.quant_algo import QuantAlgo
 from lmdock._config.sampling import SamplingParams, StructuredOutput
 from lmdock._config.server import ServerConfig
-from lmdock._lora import LoRARequest
-from lmdock._outputs import (
+from lmdock._llm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from lmdock._llm.lora import LoRARequest
+from lmdock._llm.outputs import (
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -24,6 +24,7 @@ from lmdock._outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
+from lmdock._llm.tokenizer import Tokenizer
 from lmdock._plugin.errors import (
     BackendError,
     ConfigError,
@@ -35,7 +36,6 @@ from lmdock._plugin.errors import (
     RequestError,
     UnsupportedError,
 )
-from lmdock._tokenizer import Tokenizer
 
 #: vLLM's name for :class:`StructuredOutput` (``SamplingParams(structured_outputs=StructuredOutputsParams(json=...))``).
 StructuredOutputsParams = StructuredOutput
@@ -46,13 +46,13 @@ __version__ = "0.1.0"
 #: ``lmdock.backend`` is the backend authors' namespace, so ``import lmdock`` is enough to write
 #: ``lmdock.backend.BackendSpec``.
 _LAZY = {
-    "AsyncLM": ("lmdock._genlm", "AsyncLM"),
-    "LLM": ("lmdock._llm", "LLM"),
-    "load_model_by_name": ("lmdock._genlm", "load_model_by_name"),
-    "ModelBusyError": ("lmdock._models.pooled", "ModelBusyError"),
+    "AsyncLM": ("lmdock._llm.genlm", "AsyncLM"),
+    "LLM": ("lmdock._llm.facade", "LLM"),
+    "load_model_by_name": ("lmdock._llm.genlm", "load_model_by_name"),
+    "ModelBusyError": ("lmdock._models.pool", "ModelBusyError"),
     "ModelPool": ("lmdock._models.pool", "ModelPool"),
-    "PoolFullError": ("lmdock._models.pooled", "PoolFullError"),
-    "RequestFuture": ("lmdock._sinks", "RequestFuture"),
+    "PoolFullError": ("lmdock._models.pool", "PoolFullError"),
+    "RequestFuture": ("lmdock._llm.streams", "RequestFuture"),
     "hookimpl": ("lmdock._plugin.markers", "hookimpl"),
     "backend": ("lmdock.backend", None),
 }

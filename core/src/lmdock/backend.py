@@ -15,8 +15,10 @@ from lmdock._config.model import ModelConfig
 from lmdock._config.pooling import PoolingParams
 from lmdock._engine.adapter_cache import AdapterCache
 from lmdock._engine.step_engine import StepEngineBase
-from lmdock._lora import LoRAModule, read_lora_adapter
-from lmdock._outputs import CompletionOutput, Logprob, RequestOutput
+from lmdock._llm.lora import LoRAModule, read_lora_adapter
+from lmdock._llm.outputs import CompletionOutput, Logprob, RequestOutput
+from lmdock._llm.streams import safe_fail, safe_put
+from lmdock._llm.tokenizer import Tokenizer
 from lmdock._plugin.contract import (
     CAPABILITIES,
     PLUGIN_API_VERSION,
@@ -34,8 +36,6 @@ from lmdock._plugin.declare import Backend, has_nvidia_gpu
 from lmdock._plugin.errors import BackendError, EngineClosedError, RequestError, UnsupportedError
 from lmdock._plugin.markers import hookimpl
 from lmdock._plugin.model_files import read_model_json
-from lmdock._sinks import safe_fail, safe_put
-from lmdock._tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from lmdock._engine.beam import BeamSearch

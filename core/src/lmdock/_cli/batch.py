@@ -1,4 +1,4 @@
-"""``lmdock batch``: an OpenAI batch file run line by line, resumable (the runner is ``lmdock._batch``)."""
+"""``lmdock batch``: an OpenAI batch file run line by line, resumable (the runner is ``lmdock._llm.batch``)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,6 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lmdock._batch import run_batch
+    from lmdock._llm.batch import run_batch
 
     return run_batch(args, read_template(args.chat_template))

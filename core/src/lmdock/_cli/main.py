@@ -51,7 +51,7 @@ def _interrupted(hard: bool) -> int:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the shutdown
-    llm_module = sys.modules.get("lmdock._llm")
+    llm_module = sys.modules.get("lmdock._llm.lifecycle")
     if llm_module is not None:
         llm_module.shutdown_all()
     if not hard:

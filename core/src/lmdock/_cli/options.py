@@ -16,7 +16,7 @@ def model_args(p: Parser) -> None:
 
 
 def open_llm(args: argparse.Namespace) -> Any:
-    from lmdock._llm import LLM
+    from lmdock._llm.facade import LLM
 
     return LLM(args.model, backend=args.backend, config=args.config)
 

@@ -14,7 +14,7 @@ from lmdock._config.foreign import accepts_foreign_fields
 from lmdock._config.pooling import PoolingParams
 from lmdock._config.schema import check
 from lmdock._config.server import replica_tables
-from lmdock._lora import ADAPTER_NAME
+from lmdock._llm.lora import ADAPTER_NAME
 
 
 @accepts_foreign_fields

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 if TYPE_CHECKING:
-    from lmdock._lora import LoRARequest
+    from lmdock._llm.lora import LoRARequest
 
 #: Adapters kept loaded when ``build.max_loras`` is not set.
 DEFAULT_MAX_LORAS = 8

@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lmdock._tokenizer import Tokenizer
+from lmdock._llm.tokenizer import Tokenizer
 
 _CONTEXT = 6  # prompt tokens kept as left context, so the first output word keeps its spacing
 #: transformers' fast-tokenizer decode methods that only call the Rust tokenizer (then clean up

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from lmdock._engine.failures import settle_future
+from lmdock._llm.streams import safe_fail
 from lmdock._plugin.errors import EngineClosedError
-from lmdock._sinks import safe_fail
 
 if TYPE_CHECKING:
     import numpy as np

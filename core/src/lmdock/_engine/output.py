@@ -12,7 +12,7 @@ import numpy as np
 from lmdock._engine.failures import Failure, as_request_error
 from lmdock._engine.sampler import Sample, log_softmax
 from lmdock._engine.sequence import Req, Seq
-from lmdock._outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from lmdock._llm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from lmdock._plugin.contract import SeqChunk
 
 #: Tokens before a token decoded with it for its ``decoded_token`` (a SentencePiece space, a character

@@ -27,7 +27,7 @@ from typing import Any, TypeAlias
 from lmdock._engine.failures import Failure, as_request_error
 from lmdock._engine.output import OutputProcessor
 from lmdock._engine.sequence import Req, Seq
-from lmdock._sinks import safe_put
+from lmdock._llm.streams import safe_put
 
 log = logging.getLogger("lmdock.engine")
 

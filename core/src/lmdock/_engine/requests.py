@@ -16,9 +16,9 @@ from lmdock._engine.output import OutputProcessor
 from lmdock._engine.queries import Queries
 from lmdock._engine.scheduler import Scheduler, add_beside
 from lmdock._engine.sequence import QuerySeq, Req, Seq
+from lmdock._llm.streams import safe_fail, safe_put
 from lmdock._plugin.contract import StepEngine
 from lmdock._plugin.errors import LmdockError
-from lmdock._sinks import safe_fail, safe_put
 
 
 class Requests:

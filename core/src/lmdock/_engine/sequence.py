@@ -22,7 +22,7 @@ from lmdock._engine.sampler import LogitsProcessor, SampleRow
 from lmdock._engine.stops import StopStrings
 
 if TYPE_CHECKING:
-    from lmdock._outputs import PositionLogprobs
+    from lmdock._llm.outputs import PositionLogprobs
     from lmdock._plugin.contract import EngineRequest, OutputSink, StepEngine
 
 

@@ -16,9 +16,9 @@ from lmdock._plugin.errors import RequestError
 
 if TYPE_CHECKING:
     from lmdock._engine.adapter_cache import AdapterCache
-    from lmdock._lora import LoRARequest
+    from lmdock._llm.lora import LoRARequest
+    from lmdock._llm.tokenizer import Tokenizer
     from lmdock._plugin.contract import SeqChunk, StepOutput
-    from lmdock._tokenizer import Tokenizer
 
 _NO_LORA_FIX = "send the request without lora_request, or load the model on a backend that lists lora in `lmdock backends`"
 

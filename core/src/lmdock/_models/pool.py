@@ -82,7 +82,7 @@ class ModelPool:
             self._add_config(cfg)
 
     def _add_config(self, cfg: Any) -> None:
-        from lmdock._llm import LLM
+        from lmdock._llm.facade import LLM
 
         for name, mc in cfg.models.items():
             self.add(name, functools.partial(LLM, name, config=cfg.path), keep_alive=mc.keep_alive, pin=mc.pin)

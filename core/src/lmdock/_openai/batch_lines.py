@@ -18,9 +18,9 @@ from typing import Any
 
 from lmdock._config.foreign import GUIDED, OPENAI_FIELDS
 from lmdock._config.structured_fields import FieldRefused, structured_output
+from lmdock._llm.prompts import non_text_part
 from lmdock._openai.embeddings import ENCODING_FORMATS, embedding_prompts
 from lmdock._plugin.errors import ConfigError
-from lmdock._prompts import non_text_part
 
 #: Each endpoint, and the body field that holds its input.
 URLS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages", "/v1/embeddings": "input"}

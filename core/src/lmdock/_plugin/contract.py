@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     import numpy as np
 
     from lmdock._config.sampling import SamplingParams
-    from lmdock._lora import LoRARequest
-    from lmdock._outputs import RequestOutput
-    from lmdock._tokenizer import Tokenizer
+    from lmdock._llm.lora import LoRARequest
+    from lmdock._llm.outputs import RequestOutput
+    from lmdock._llm.tokenizer import Tokenizer
 
 #: The plugin API this core implements.  A plugin declares the version it was written for; a different
 #: major version is refused.

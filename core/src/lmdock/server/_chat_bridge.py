@@ -22,7 +22,7 @@ from lmdock.server import serving_chat
 from lmdock.server._advisory import Ignored, reasoning_knobs
 from lmdock.server._errors import APIError
 from lmdock.server._protocol import ChatRequest, unknown_field
-from lmdock.server._streaming import DONE, sse, sse_response
+from lmdock.server._sse import DONE, sse, sse_response
 
 
 def refuse_keys(item: dict[str, Any], known: frozenset[str], where: str) -> None:
@@ -126,10 +126,10 @@ async def start_chat(chat: dict[str, Any], request: Request, names: dict[str, st
 async def prompt_tokens(chat: dict[str, Any], request: Request, names: dict[str, str], thinking: ThinkingKnob | None = None) -> int:
     """How many tokens ``chat``'s prompt takes, rendered as :func:`start_chat` renders it."""
     try:
-        sm, _, prompt = await serving_chat.render(chat_request(chat), request, thinking)
+        sm, call = await serving_chat.render(chat_request(chat), request, thinking)
     except APIError as exc:
         raise renamed(exc, names) from None
-    return len(sm.llm.tokenizer.encode(prompt, add_special_tokens=False))
+    return len(sm.llm.tokenizer.encode(call.prompt, add_special_tokens=False))
 
 
 def renamed(exc: APIError, names: dict[str, str]) -> APIError:
@@ -150,18 +150,19 @@ def renamed(exc: APIError, names: dict[str, str]) -> APIError:
 
 
 def typed_sse(request: Request, run: serving_chat.ChatRun, events: AsyncIterator[dict[str, Any]],
-              error_event: Callable[[dict[str, Any]], dict[str, Any]]) -> StreamingResponse:
+              error_event: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> StreamingResponse:
     """``events`` (each a dict whose first key is ``type``) as server-sent events named by their type,
     as both APIs send them and Anthropic's client requires.  The chat route's SSE response carries
     them (its abort on disconnect, its release of the admission); its ``data: {...}`` lines get their
-    ``event:`` line here, its ``[DONE]`` is dropped (neither API sends one), and its error body
-    (``{"error": {...}}``, for a failure after the start) becomes ``error_event(error)``."""
+    ``event:`` line here, its ``[DONE]`` is dropped (neither API sends one), and an error body in
+    OpenAI's dialect (``{"error": {...}}``, for a failure after the start) becomes ``error_event(error)``
+    (Responses' own error event; on Anthropic's routes the error is already its ``error`` event)."""
     response = sse_response(request, events, run.admission, run.retry)
     response.body_iterator = _named(response.body_iterator, error_event)
     return response
 
 
-async def _named(lines: AsyncIterator[Any], error_event: Callable[[dict[str, Any]], dict[str, Any]]) -> AsyncIterator[str]:
+async def _named(lines: AsyncIterator[Any], error_event: Callable[[dict[str, Any]], dict[str, Any]] | None) -> AsyncIterator[str]:
     start = len('data: {"type":"')
     try:
         async for line in lines:
@@ -170,8 +171,10 @@ async def _named(lines: AsyncIterator[Any], error_event: Callable[[dict[str, Any
             if line.startswith('data: {"type":"'):  # sse() writes the dict's first key first, compactly
                 kind = line[start:line.index('"', start)]
                 yield f"event: {kind}\n{line}"
-            else:
+            elif error_event is not None:
                 event = error_event(json.loads(line.removeprefix("data: "))["error"])
                 yield f"event: {event['type']}\n{sse(event)}"
+            else:
+                yield line
     finally:
         await lines.aclose()  # type: ignore[attr-defined]  # its own finally aborts the engine request

@@ -1,4 +1,8 @@
-"""The one exception mapping: every error becomes OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``."""
+"""The one exception mapping: every error becomes a status and a message, written in the dialect of the
+API that was called: OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``, or on
+Anthropic's routes (``/v1/messages*``) Anthropic's, ``{"type": "error", "error": {"type", "message"}}``.
+:func:`body_for` is the one place the dialect is chosen: the exception handlers, the guard's refusals
+and the errors sent mid-stream all write through it."""
 
 from __future__ import annotations
 
@@ -68,9 +72,22 @@ def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
+def is_anthropic(scope: dict[str, Any]) -> bool:
+    """Whether the request at ``scope`` called Anthropic's API, whose clients read only its error body."""
+    path = scope.get("path", "")
+    return path == "/v1/messages" or path.startswith("/v1/messages/")  # type: ignore[no-any-return]
+
+
+def body_for(scope: dict[str, Any], status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """The error body in the dialect of the API at ``scope``'s path: Anthropic's on its routes, OpenAI's
+    everywhere else."""
+    return anthropic_error_body(status, message) if is_anthropic(scope) else error_body(status, message, param, code)
+
+
 def json_error(status: int, message: str, param: str | None = None, code: str | None = None,
-               headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+               headers: dict[str, str] | None = None, scope: dict[str, Any] | None = None) -> JSONResponse:
+    """The error as a JSON response, in the dialect of the API at ``scope`` (OpenAI's without one)."""
+    return JSONResponse(body_for(scope or {}, status, message, param, code), status_code=status, headers=headers)
 
 
 def as_api_error(exc: BaseException, retry_after: int, hide: tuple[str, str] | None = None) -> APIError:
@@ -100,30 +117,32 @@ def as_api_error(exc: BaseException, retry_after: int, hide: tuple[str, str] | N
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Answer every error ``app`` raises with OpenAI's body: ours, validation, HTTP, and the unexpected."""
+    """Answer every error ``app`` raises (ours, validation, HTTP, and the unexpected) in the dialect of
+    the API the request called (:func:`body_for`)."""
 
     @app.exception_handler(APIError)
-    async def _api(_: Request, exc: APIError) -> JSONResponse:
-        return json_error(exc.status, exc.message, exc.param, exc.code, exc.headers)
+    async def _api(request: Request, exc: APIError) -> JSONResponse:
+        return json_error(exc.status, exc.message, exc.param, exc.code, exc.headers, scope=request.scope)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errs = exc.errors()
         first = errs[0] if errs else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         if first.get("type") == "json_invalid":
-            return json_error(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}")
+            return json_error(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}",
+                              scope=request.scope)
         if first.get("type") == "unknown_field":  # raised by _protocol's bodies, which name the field themselves
-            return json_error(400, first.get("msg", "unknown field"), ".".join([*loc, first["ctx"]["field"]]))
+            return json_error(400, first.get("msg", "unknown field"), ".".join([*loc, first["ctx"]["field"]]), scope=request.scope)
         param = ".".join(loc) or None
         msg = first.get("msg", "invalid request body")
-        return json_error(400, f"{param}: {msg}" if param else msg, param)
+        return json_error(400, f"{param}: {msg}" if param else msg, param, scope=request.scope)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return json_error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return json_error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None), scope=request.scope)
 
     @app.exception_handler(Exception)
-    async def _other(_: Request, exc: Exception) -> JSONResponse:
+    async def _other(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return json_error(500, f"internal error ({type(exc).__name__}); see the server's log")
+        return json_error(500, f"internal error ({type(exc).__name__}); see the server's log", scope=request.scope)

@@ -8,7 +8,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from lmdock.server._errors import anthropic_error_body, error_body
+from lmdock.server._errors import body_for, is_anthropic
 from lmdock.server._state import ServerState
 
 
@@ -53,7 +53,7 @@ class Guard:
         if hmac.compare_digest(given.encode("latin-1"), key.encode("utf-8")):
             return None
         what = "wrong API key" if given else "missing API key"
-        return f"{what}: send 'x-api-key: <key>'" if _anthropic(scope) else f"{what}: send 'Authorization: Bearer <key>'"
+        return f"{what}: send 'x-api-key: <key>'" if is_anthropic(scope) else f"{what}: send 'Authorization: Bearer <key>'"
 
     async def _limited(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any], limit: int,
                        too_big: str) -> None:
@@ -100,11 +100,5 @@ async def send_error(send: Callable[..., Any], status: int, message: str, header
 
 
 def refusal_body(scope: dict[str, Any], status: int, message: str) -> dict[str, Any]:
-    """Anthropic's error body on its routes (``/v1/messages``, ``.../count_tokens``), whose clients
-    read only that; OpenAI's everywhere else."""
-    return anthropic_error_body(status, message) if _anthropic(scope) else error_body(status, message)
-
-
-def _anthropic(scope: dict[str, Any]) -> bool:
-    path = scope.get("path", "")
-    return path == "/v1/messages" or path.startswith("/v1/messages/")  # type: ignore[no-any-return]
+    """The refusal's body in the dialect of the API at ``scope`` (``_errors.body_for``)."""
+    return body_for(scope, status, message)

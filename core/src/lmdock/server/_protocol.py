@@ -16,9 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from lmdock._config.foreign import OPENAI_FIELDS
+from lmdock._llm.outputs import RequestOutput
+from lmdock._llm.prompts import non_text_part
 from lmdock._models.pooled import keep_alive_seconds
-from lmdock._outputs import RequestOutput
-from lmdock._prompts import non_text_part
 from lmdock.server._errors import APIError
 from lmdock.server._structured import structured_output
 

@@ -34,8 +34,6 @@ from typing import Any
 from lmdock._config.model import ModelConfig
 from lmdock._models.replicas import ReplicaPlan
 from lmdock._plugin.errors import ConfigError, EngineClosedError
-from lmdock._sinks import AsyncQueueSink
-from lmdock.server._streaming import submit
 
 #: the Ray Serve application holding model NAME's replicas
 APP_PREFIX = "lmdock-"
@@ -97,24 +95,14 @@ class ReplicaEngine:
         the last snapshot (else None); cancelled (the client left), abort it.  Snapshots are cumulative,
         so of those queued while the last one was sent only the newest goes: a front end that reads
         slower than the engine steps gets fewer, fuller ones (each costs a message through Ray)."""
-        sink = AsyncQueueSink(asyncio.get_running_loop())
-        engine = self.llm.engine
-        await submit(engine, request, sink)  # a grammar compiles off this replica's loop
-        finished = False
+        stream = await self.llm.open_stream(request)  # a grammar compiles off this replica's loop
         first = True
         try:
-            while not finished:
-                item = await sink.queue.get()
-                while not first and not isinstance(item, BaseException) and not item.finished and not sink.queue.empty():
-                    item = sink.queue.get_nowait()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield self.replica, item, self.llm.stats() if first or finished else None
+            async for item in stream:
+                yield self.replica, item, self.llm.stats() if first or item.finished else None
                 first = False
         finally:
-            if not finished:
-                engine.abort(request.request_id)
+            stream.close()
 
 
 class RemoteEngine:
@@ -215,7 +203,7 @@ class RemoteEngine:
 def replicated(name: str, plan: ReplicaPlan, model: str, **kwargs: Any) -> Callable[[], Any]:
     """A loader for the front end: ``LLM(model, **kwargs)`` in each replica of ``plan``, and here an
     ``LLM`` over their :class:`RemoteEngine` (the model is not loaded in the front end)."""
-    from lmdock._llm import LLM
+    from lmdock._llm.facade import LLM
 
     def deploy(mc: ModelConfig) -> tuple[RemoteEngine, Any]:
         from ray import serve

@@ -264,7 +264,7 @@ def _served(name: str, entry: ModelConfig | None, path: Path | None, plan: Repli
             backend: str | None, options: dict[str, Any], template: str | None, served_name: str | None) -> ServedModel:
     """``name`` (a config name, or a path or hub id, which is pinned: it has no entry to say otherwise) as
     a model to serve, not loaded yet; on Ray Serve replicas when ``plan`` says so."""
-    from lmdock._llm import LLM
+    from lmdock._llm.facade import LLM
 
     mc = entry or ModelConfig(model=name)
     if plan.on_ray:

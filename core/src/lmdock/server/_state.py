@@ -10,7 +10,7 @@ from fastapi import Request
 
 from lmdock._config.foreign import OPENAI_FIELDS
 from lmdock._config.server import ServerConfig
-from lmdock._lora import LoRARequest
+from lmdock._llm.lora import LoRARequest
 from lmdock._plugin.errors import ConfigError, listed
 from lmdock.server._errors import APIError, as_api_error
 from lmdock.server._metrics import Metrics

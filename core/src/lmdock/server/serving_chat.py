@@ -3,7 +3,8 @@ choices, streamed or not, with logprobs, JSON-schema response formats, tool call
 content (``lmdock.tools``: the model's parsers read each choice; a forced ``tool_choice`` constrains it).
 
 Other front ends (``/v1/responses``, ``/v1/messages``) reuse the chat path through :func:`start_chat`:
-it admits, renders and submits a :class:`ChatRequest` and returns a :class:`ChatRun`, whose
+it admits a :class:`ChatRequest`, runs it as the core's chat call (``lmdock._llm.chat.ChatCall``: plan,
+render, constrain, request, the same pipeline as ``LLM.chat``) and returns a :class:`ChatRun`, whose
 ``await run.whole()`` is OpenAI's ``chat.completion`` dict and ``run.chunks()`` its
 ``chat.completion.chunk`` dicts (a bad request is an :class:`APIError` from :func:`start_chat`,
 before anything is sent).
@@ -11,6 +12,7 @@ before anything is sent).
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -19,21 +21,18 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from lmdock._logprobs import chat_logprobs
-from lmdock._outputs import CompletionOutput, RequestOutput
+from lmdock._llm.chat import ChatCall
+from lmdock._llm.logprobs import chat_logprobs
+from lmdock._llm.outputs import CompletionOutput, RequestOutput
 from lmdock._plugin.errors import LmdockError
+from lmdock.server._admission import Admission
 from lmdock.server._advisory import Ignored
+from lmdock.server._disconnects import unless_disconnected
+from lmdock.server._engine_streams import choice_deltas, collect, submit_admitted
 from lmdock.server._errors import APIError, as_api_error
 from lmdock.server._protocol import ChatRequest, usage
+from lmdock.server._sse import sse_response
 from lmdock.server._state import ServedModel, ServerState, state_of
-from lmdock.server._streaming import (
-    Admission,
-    choice_deltas,
-    collect,
-    sse_response,
-    submit_admitted,
-    unless_disconnected,
-)
 from lmdock.server._templates import check_request_template, render_bounded
 
 router = APIRouter()
@@ -60,44 +59,43 @@ async def start_chat(body: ChatRequest, request: Request, prepare: Prepare | Non
     max_tokens_past_context`` says); ``thinking_budget``: the thinking held to that many tokens where
     the engine samples in lmdock's step loop and the prompt opens the thinking (``run.budget_held``)."""
     st = state_of(request)
-    sm, plan, prompt = await render(body, request, prepare)
+    sm, call = await render(body, request, prepare)
     try:
-        params = sm.llm.constrained(st.sampling_params(sm, body.overrides(), body), plan)
+        params = call.constrain(st.sampling_params(sm, body.overrides(), body), thinking_budget)
     except LmdockError as exc:
         raise _tool_error(exc, st.retry_after, sm) from None
-    budget = None
-    if thinking_budget is not None and sm.llm.backend.kind == "step":
-        budget = plan.thinking_budget(thinking_budget, sm.llm.tokenizer, prompt)
-        if budget is not None:
-            params = params.replace(logits_processors=(*params.logits_processors, budget))
-    lora = st.adapter(body.model)  # NAME:ADAPTER runs under the adapter on NAME's engine
-    admission, streams, firsts = await submit_admitted(request, st, sm, [prompt], params, add_special_tokens=False,
-                                                       max_tokens_field=body.max_tokens_field(), lora_request=lora, clamp=clamp)
-    run = ChatRun(body, request, sm, plan, admission, streams, firsts, st.retry_after, params.n)
-    run.budget_held = budget is not None
-    if lora is not None:
+    admission, streams, firsts = await submit_admitted(request, st, sm, [functools.partial(call.request, params, stream=True)], params,
+                                                       max_tokens_field=body.max_tokens_field(), clamp=clamp)
+    run = ChatRun(body, request, sm, call.plan, admission, streams, firsts, st.retry_after, params.n)
+    run.budget_held = call.budget_held
+    if call.lora_request is not None:
         run.model = body.model  # the response names the adapter's model, as vLLM's does
     return run
 
 
-async def render(body: ChatRequest, request: Request, prepare: Prepare | None = None) -> tuple[ServedModel, Any, str]:
-    """The model, the tools' plan and the prompt a chat request renders to: what :func:`start_chat`
-    submits, and what ``/v1/messages/count_tokens`` counts.  ``prepare(sm, body)``, once the model is
-    known, adjusts the body to it (the agent routes set the template's reasoning knob there)."""
+async def render(body: ChatRequest, request: Request, prepare: Prepare | None = None) -> tuple[ServedModel, ChatCall]:
+    """The model and the chat call a request renders to (its ``prompt`` rendered): what
+    :func:`start_chat` submits, and what ``/v1/messages/count_tokens`` counts.  ``prepare(sm, body)``,
+    once the model is known, adjusts the body to it (the agent routes set the template's reasoning knob there)."""
     st = state_of(request)
     sm = await st.model(body.model, request, body.keep_alive)
     if prepare is not None:
         prepare(sm, body)
-    plan = _plan(sm, body, st.retry_after)
-    return sm, plan, await _render(st, sm, body, plan)
+    call = _call(st, sm, body)
+    await _render(st, sm, body, call)
+    return sm, call
 
 
-def _plan(sm: ServedModel, body: ChatRequest, retry: int) -> Any:
+def _call(st: ServerState, sm: ServedModel, body: ChatRequest) -> ChatCall:
+    """The request as a chat call on ``sm``'s LLM, its plan made (a tool field it cannot honour: 400)."""
     try:
-        return sm.llm.chat_plan(body.tools, body.tool_choice, body.parallel_tool_calls, body.chat_template or sm.chat_template,
-                                body.chat_template_kwargs)
+        return ChatCall(sm.llm, body.messages, chat_template=body.chat_template or sm.chat_template,
+                        add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
+                        chat_template_kwargs=body.chat_template_kwargs, tools=body.tools, tool_choice=body.tool_choice,
+                        parallel_tool_calls=body.parallel_tool_calls,
+                        lora_request=st.adapter(body.model))  # NAME:ADAPTER runs under the adapter on NAME's engine
     except LmdockError as exc:
-        raise _tool_error(exc, retry, sm) from None
+        raise _tool_error(exc, st.retry_after, sm) from None
 
 
 def _tool_error(exc: LmdockError, retry: int, sm: ServedModel) -> APIError:
@@ -109,22 +107,15 @@ def _tool_error(exc: LmdockError, retry: int, sm: ServedModel) -> APIError:
     return err
 
 
-async def _render(st: ServerState, sm: ServedModel, body: ChatRequest, plan: Any) -> str:
+async def _render(st: ServerState, sm: ServedModel, body: ChatRequest, call: ChatCall) -> str:
     """The prompt, rendered off the event loop within the server's time and size limits."""
     if body.continue_final_message and body.add_generation_prompt:
         raise APIError(400, "continue_final_message needs add_generation_prompt: false", param="continue_final_message")
     check_request_template(body.chat_template, st.settings)
-
-    def render() -> str:
-        return sm.llm.render_chat(body.messages, body.chat_template or sm.chat_template, body.add_generation_prompt,  # type: ignore[no-any-return]
-                                  body.continue_final_message, body.chat_template_kwargs, tools=plan.template_tools)
-
     try:
-        prompt = await render_bounded(render, st.settings)
+        return await render_bounded(call.render, st.settings)  # type: ignore[no-any-return]
     except LmdockError as exc:
         raise as_api_error(exc, st.retry_after, sm.hide) from None
-    plan.after_render(prompt)
-    return prompt
 
 
 def finish_reason(c: CompletionOutput, calls: list[Any]) -> str | None:

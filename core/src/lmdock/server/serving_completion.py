@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -10,18 +11,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from lmdock._logprobs import legacy_logprobs
-from lmdock._outputs import RequestOutput
+from lmdock._llm.logprobs import legacy_logprobs
+from lmdock._llm.outputs import RequestOutput
+from lmdock.server._disconnects import unless_disconnected
+from lmdock.server._engine_streams import choice_deltas, collect, submit_admitted
 from lmdock.server._errors import as_api_error
 from lmdock.server._protocol import CompletionRequest, usage
+from lmdock.server._sse import sse_response
 from lmdock.server._state import state_of
-from lmdock.server._streaming import (
-    choice_deltas,
-    collect,
-    sse_response,
-    submit_admitted,
-    unless_disconnected,
-)
 
 router = APIRouter()
 
@@ -34,8 +31,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     prompts = body.prompts()
     params = st.sampling_params(sm, body.overrides(), body)
     lora = st.adapter(body.model)
-    admission, streams, firsts = await submit_admitted(request, st, sm, prompts, params, max_tokens_field=body.max_tokens_field(),
-                                                       lora_request=lora)
+    makers = [functools.partial(sm.llm.make_request, p, params, stream=True, lora_request=lora) for p in prompts]
+    admission, streams, firsts = await submit_admitted(request, st, sm, makers, params, max_tokens_field=body.max_tokens_field())
     reply = _Reply(body, body.model if lora else sm.name, sm.llm.tokenizer, prompts, params.n)
     if body.stream:
         return sse_response(request, reply.chunks(streams, firsts), admission, retry)

@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from fastapi.routing import APIRoute
 from pydantic import Field, model_validator
 
 from lmdock.server._advisory import Ignored
 from lmdock.server._chat_bridge import ThinkingKnob, prompt_tokens, refuse_keys, start_chat, typed_sse
-from lmdock.server._errors import APIError, anthropic_error_body
+from lmdock.server._errors import APIError
 from lmdock.server._messages_blocks import chat_messages, chat_tool_choice, chat_tools, has_cache_control
 from lmdock.server._protocol import StrictBody
 
@@ -33,34 +32,7 @@ from lmdock.server._protocol import StrictBody
 NAMES = {"stop": "stop_sequences"}
 
 
-class _AnthropicErrors(APIRoute):
-    """A route whose errors answer in Anthropic's body: the server's one mapping (its exception
-    handlers, OpenAI's body) decides the status and message, and this reshapes the body."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handle = super().get_route_handler()
-
-        async def route(request: Request) -> Response:
-            try:
-                return await handle(request)
-            except Exception as exc:  # noqa: BLE001 - every error goes through the app's handlers
-                return await _reshaped(request, exc)
-
-        return route
-
-
-async def _reshaped(request: Request, exc: Exception) -> Response:
-    handlers = request.app.exception_handlers
-    handler = next((handlers[c] for c in type(exc).__mro__ if c in handlers), None)
-    if handler is None:
-        raise exc
-    openai = await handler(request, exc)
-    message = json.loads(bytes(openai.body))["error"]["message"]
-    headers = {k: v for k, v in openai.headers.items() if k.lower() not in ("content-length", "content-type")}
-    return JSONResponse(anthropic_error_body(openai.status_code, message), status_code=openai.status_code, headers=headers)
-
-
-router = APIRouter(route_class=_AnthropicErrors)
+router = APIRouter()  # its errors answer in Anthropic's body: _errors.body_for chooses it by path
 
 
 class Metadata(StrictBody):
@@ -165,7 +137,7 @@ async def create(body: MessagesRequest, request: Request) -> Response:
     ignored.loosened(run.plan, chat.get("response_format"), "output_config.format")
     reply = _Reply(body, run.model, len(run.prompt_ids), run.cached_tokens)
     if body.stream:
-        return ignored.apply(typed_sse(request, run, reply.events(run.chunks()), _error_event), "/v1/messages")
+        return ignored.apply(typed_sse(request, run, reply.events(run.chunks())), "/v1/messages")
     return ignored.apply(JSONResponse(reply.whole(ignored.check(run.plan, await run.whole()))), "/v1/messages")
 
 
@@ -185,12 +157,6 @@ def _beta(request: Request) -> Ignored:
     if "beta" in request.query_params:
         ignored.add("beta (query)")
     return ignored
-
-
-def _error_event(err: dict[str, Any]) -> dict[str, Any]:
-    """A failure after the start (OpenAI's error body) as Anthropic's ``error`` event."""
-    code = str(err.get("code") or "")
-    return anthropic_error_body(int(code) if code.isdigit() else 500, err.get("message") or "")
 
 
 def _stop(choice: dict[str, Any], sequences: list[str] | None) -> tuple[str, str | None]:

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
-from lmdock._lora import ADAPTER_NAME, LoRARequest, read_lora_adapter
+from lmdock._llm.lora import ADAPTER_NAME, LoRARequest, read_lora_adapter
 from lmdock._plugin.errors import LmdockError, listed
 from lmdock.server._errors import APIError
 from lmdock.server._protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest

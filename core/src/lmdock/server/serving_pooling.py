@@ -12,10 +12,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from lmdock._openai.embeddings import embedding_prompts, embeddings_response
+from lmdock.server._admission import Admission
+from lmdock.server._disconnects import unless_disconnected
 from lmdock.server._errors import APIError, as_api_error
 from lmdock.server._protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from lmdock.server._state import ServedModel, state_of
-from lmdock.server._streaming import Admission, unless_disconnected
 
 router = APIRouter()
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmdock._config.sampling import SamplingParams, StructuredOutput
-from lmdock._outputs import PositionLogprobs
+from lmdock._llm.outputs import PositionLogprobs
 
 
 @dataclass(frozen=True)

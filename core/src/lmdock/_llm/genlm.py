@@ -53,7 +53,7 @@ class AsyncLM:
     def from_name(cls, model_name: str, engine_opts: dict[str, Any] | None = None, **llm_options: Any) -> AsyncLM:
         """Load ``model_name`` (a config-file name, a path or a hub id) with ``LLM(model_name, **engine_opts,
         **llm_options)``: vLLM's engine arguments in ``engine_opts`` go through lmdock's alias table."""
-        from lmdock._llm import LLM
+        from lmdock._llm.facade import LLM
 
         return cls(LLM(model_name, **{**(engine_opts or {}), **llm_options}))
 

@@ -5,7 +5,7 @@ through ``LLM.generate_async`` (continuous batching), embeddings through ``LLM.e
 threads (the pooling runner batches their calls together).  Each output line is ``{"id",
 "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``, as OpenAI's batch output
 is, its body what ``lmdock serve`` answers (logprobs and embeddings in the same shapes, from the same
-``lmdock._logprobs`` and ``lmdock._openai.embeddings``), appended and flushed as each request
+``lmdock._llm.logprobs`` and ``lmdock._openai.embeddings``), appended and flushed as each request
 finishes: an interrupted run loses nothing already done, and a rerun skips the custom_ids OUTPUT holds.
 
 A line that cannot run becomes an error line (``"response": null, "error": {"code", "message"}``).
@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from lmdock._logprobs import chat_logprobs, legacy_logprobs
+from lmdock._llm.logprobs import chat_logprobs, legacy_logprobs
+from lmdock._llm.progress import Progress
 from lmdock._openai.batch_lines import Line, LineError, Request, done_ids, parse_request, read_lines, sampling_overrides
 from lmdock._openai.embeddings import embedding_prompts, embeddings_response
 from lmdock._plugin.errors import LmdockError, UnsupportedError
-from lmdock._progress import Progress
 
 #: Requests in flight at once (the rest of the file waits, so a huge file does not fill the queue).
 WINDOW = 256
@@ -39,7 +39,7 @@ EMBED_THREADS = 8
 def run_batch(args: argparse.Namespace, chat_template: str | None = None) -> int:
     """Run INPUT's lines not yet in OUTPUT; 0 when all ran, 1 when some became error lines.
     ``chat_template``: the text of ``--chat-template``, used for every chat line."""
-    from lmdock._llm import LLM
+    from lmdock._llm.facade import LLM
 
     src, dst = Path(args.input), Path(args.output)
     done = done_ids(dst)

@@ -10,10 +10,10 @@ from typing import Any
 from lmdock._config.model import ModelConfig
 from lmdock._config.pooling import PoolingParams
 from lmdock._config.schema import build
-from lmdock._outputs import EmbeddingOutput, EmbeddingRequestOutput, ScoringOutput, ScoringRequestOutput
+from lmdock._llm.outputs import EmbeddingOutput, EmbeddingRequestOutput, ScoringOutput, ScoringRequestOutput
+from lmdock._llm.prompts import Prompt, indexed
 from lmdock._plugin.contract import PoolingInput
 from lmdock._plugin.errors import RequestError, UnsupportedError
-from lmdock._prompts import Prompt, indexed
 
 #: Pooling parameters as a call takes them: complete params, a dict of fields, or None (the defaults).
 PoolingArg = PoolingParams | dict[str, Any] | None

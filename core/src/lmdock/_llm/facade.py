@@ -3,58 +3,28 @@
 from __future__ import annotations
 
 import asyncio
-import atexit
-import concurrent.futures
-import dataclasses
-import itertools
 import os
-import queue
-import time
-import weakref
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lmdock._config.file import SERVE_ONLY_KEYS
 from lmdock._config.foreign import constructor_options
 from lmdock._config.sampling import EditableSamplingParams, SamplingParams, StructuredOutput
-from lmdock._config.schema import build, resolve_aliases
-from lmdock._lora import LoRAArg, LoRARequest, lora_per_prompt
-from lmdock._outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
+from lmdock._llm import lifecycle
+from lmdock._llm.chat import ChatCall, chat_plan, render_chat
+from lmdock._llm.embed import PoolingArg, PoolingCalls
+from lmdock._llm.lora import LoRAArg, lora_per_prompt
+from lmdock._llm.outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
+from lmdock._llm.prompts import Prompt, as_batch, content_as, indexed, token_id_prompts
+from lmdock._llm.requests import ParamsArg, default_params, engine_request, resolve_params, run_batch
+from lmdock._llm.streams import RequestFuture, RequestStream, submit_from_loop
 from lmdock._plugin.contract import EngineRequest, RequestEngine
-from lmdock._plugin.errors import ConfigError, EngineClosedError, QueueFullError, RequestError, UnsupportedError
+from lmdock._plugin.errors import ConfigError, RequestError, UnsupportedError
 from lmdock._plugin.loader import load_engine, resolve_model
-from lmdock._pooling_calls import PoolingArg, PoolingCalls
-from lmdock._progress import Progress
-from lmdock._prompts import Prompt, as_batch, as_prompt, content_as, indexed, indexed_error, token_id_prompts, truncated
-from lmdock._sinks import AsyncQueueSink, QueueSink, RequestFuture
 
 if TYPE_CHECKING:
     from lmdock._config.model import ModelConfig
     from lmdock._plugin.contract import BackendSpec
-
-#: Sampling parameters as a call takes them: complete params, overrides of the defaults, or None.
-ParamsArg = SamplingParams | dict[str, Any] | None
-
-#: generation_config.json keys that become sampling defaults (only those the file sets explicitly).
-_GENERATION_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens")
-
-_ids = itertools.count()
-
-#: LLMs not yet shut down; shut down at interpreter exit, before engine threads are torn away
-#: (an engine thread killed mid-step can leave native resources behind, e.g. MLX streams).
-_live: weakref.WeakSet[LLM] = weakref.WeakSet()
-
-
-@atexit.register
-def shutdown_all() -> None:
-    """Shut every live LLM down (at interpreter exit; the CLI on Ctrl-C)."""
-    for llm in list(_live):
-        try:
-            llm.shutdown()
-        except Exception:
-            pass
-
 
 class LLM:
     """A model on a backend, ready to generate.
@@ -102,7 +72,7 @@ class LLM:
             options["backend"] = backend
         self.model_config = resolve_model(model, config, options)
         self._engine, self.backend = load(self.model_config)
-        _live.add(self)
+        lifecycle.live.add(self)
         self.tokenizer = self._engine.tokenizer
         self.max_model_len = self._engine.max_seq_len
         self._defaults = self._default_params()
@@ -113,7 +83,7 @@ class LLM:
     def shutdown(self) -> None:
         """Stop the engine and free its memory.  Idempotent."""
         engine, self._engine = self._engine, None
-        _live.discard(self)
+        lifecycle.live.discard(self)
         if engine is not None:
             engine.close()
 
@@ -163,16 +133,7 @@ class LLM:
         return self.tokenizer
 
     def _default_params(self) -> SamplingParams:
-        gen = self.engine.generation_config or {}
-        fields = {k: gen[k] for k in _GENERATION_KEYS if gen.get(k) is not None}
-        if gen.get("do_sample") is False and "temperature" not in self.model_config.sampling:
-            fields["temperature"] = 0.0
-        fields = {k: v for k, v in fields.items() if k != "max_new_tokens" or v > 0}
-        fields.update(self.model_config.sampling)
-        try:
-            return build(SamplingParams, fields, source=self.model_config.source, prefix="sampling")
-        except ConfigError:  # a generation_config.json value we cannot honour: keep the file's layer out
-            return build(SamplingParams, dict(self.model_config.sampling), source=self.model_config.source, prefix="sampling")
+        return default_params(self.engine.generation_config, self.model_config)
 
     def sampling_params(self, overrides: ParamsArg = None) -> SamplingParams:
         """The SamplingParams a call given ``overrides`` runs with: a dict's SamplingParams fields over
@@ -182,54 +143,9 @@ class LLM:
         return self._params(overrides)
 
     def _params(self, params: ParamsArg) -> SamplingParams:
-        if params is None:
-            return self._defaults
-        if isinstance(params, EditableSamplingParams):
-            return params.frozen()  # a snapshot: editing it later never reaches a running request
-        if isinstance(params, SamplingParams):
-            return params
-        if isinstance(params, dict):  # the call's names (max_tokens...) resolved before the defaults join them
-            call = resolve_aliases(SamplingParams, params, source="<call>", prefix="sampling_params")
-            return build(SamplingParams, {**_all_fields(self._defaults), **call}, source="<call>", prefix="sampling_params")
-        raise TypeError(f"sampling_params must be SamplingParams, a dict or None, not {type(params).__name__}")
+        return resolve_params(self._defaults, params)
 
     # -- requests -------------------------------------------------------------------------------
-
-    def _request(self, prompt: Prompt, params: SamplingParams, stream: bool = False, add_special_tokens: bool = True,
-                 tokenizer_kwargs: dict[str, Any] | None = None, lora_request: LoRARequest | None = None) -> EngineRequest:
-        prompt = as_prompt(prompt)
-        if lora_request is not None:
-            ok, reason = self.backend.capability("lora")
-            if not ok:
-                raise UnsupportedError(f"lora_request: backend {self.backend.name!r} cannot run LoRA adapters ({reason}); remove "
-                                       "lora_request, or pick a backend that lists lora in `lmdock backends`")
-        if self.tokenizer is None and params.detokenize:  # skip_tokenizer_init: token ids out, no text
-            params = params.replace(detokenize=False)
-        if isinstance(prompt, str):
-            if not prompt:
-                raise RequestError("the prompt is empty: give at least one token or a non-empty string")
-            ids = self._encode(prompt, add_special_tokens, tokenizer_kwargs)
-            text: str | None = prompt
-        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids, text = list(prompt), None
-        else:
-            raise RequestError(f"a prompt is a string or a list of token ids, not {type(prompt).__name__}: {prompt!r:.80}")
-        if params.structured_output is not None:
-            ok, reason = self.backend.capability("structured_output")
-            if not ok:
-                raise RequestError(f"structured_output: backend {self.backend.name!r} cannot constrain its output ({reason}); pick a backend that lists structured_output in `lmdock backends`")
-            self.check_grammar(params)
-        if params.logits_processors and self.backend.kind == "request":
-            raise RequestError(f"logits_processors: backend {self.backend.name!r} samples inside its engine, where lmdock cannot run "
-                               "Python callables; use a step backend (hf, onnx, mlx, llamacpp) or structured_output")
-        ids = truncated(ids, params.truncate_prompt_tokens, self.max_model_len)
-        if params.biased:
-            ok, reason = self.backend.capability("logit_bias")
-            if not ok:
-                asked = ", ".join(n for n in ("logit_bias", "allowed_token_ids", "bad_words") if getattr(params, n) not in ({}, None, ()))
-                raise RequestError(f"{asked}: backend {self.backend.name!r} cannot bias or ban tokens ({reason}); remove it, or pick a "
-                                   "backend that lists logit_bias in `lmdock backends`")
-        return EngineRequest(f"req-{next(_ids)}", text, ids, params, stream, lora_request)
 
     def check_grammar(self, params: SamplingParams) -> None:
         """Check ``params.structured_output`` in a grammar-check worker process (compiled, its first
@@ -252,27 +168,19 @@ class LLM:
             self._grammar_check = GrammarCheck(self.tokenizer)
         return self._grammar_check
 
-    def _encode(self, text: str, add_special_tokens: bool, tokenizer_kwargs: dict[str, Any] | None) -> list[int]:
-        kwargs = {"add_special_tokens": add_special_tokens, **(tokenizer_kwargs or {})}
-        try:
-            return self._tokenizer().encode(text, **kwargs)
-        except TypeError as exc:
-            if not tokenizer_kwargs:
-                raise
-            raise RequestError(f"tokenizer_kwargs {sorted(tokenizer_kwargs)}: the tokenizer's encode refused them ({exc})") from None
-
     def make_request(self, prompt: Prompt, sampling_params: ParamsArg = None, *, stream: bool = False,
                      add_special_tokens: bool = True, lora_request: LoRAArg = None) -> EngineRequest:
-        """The engine request a call would submit, for a caller that drives :attr:`engine` itself (as
-        ``lmdock serve`` does, to stream many requests on its event loop): ``llm.engine.submit(request,
-        sink)``, then ``llm.engine.abort(request.request_id)`` if it stops listening first.
+        """The engine request a call would submit, for a caller that streams it on an event loop
+        (:meth:`open_stream`, as ``lmdock serve`` does) or drives :attr:`engine` itself:
+        ``llm.engine.submit(request, sink)``, then ``llm.engine.abort(request.request_id)`` if it stops
+        listening first.
 
         The prompt is tokenized (``add_special_tokens``: the tokenizer's BOS and such, off for a
         rendered chat template that holds them) and checked; ``stream``: the engine sends every
         snapshot, not only the last; ``lora_request``: the adapter to run under.  Raises RequestError or
         ConfigError as :meth:`generate` would."""
         (lora,) = lora_per_prompt(lora_request, 1, self.model_config.adapters)
-        return self._request(prompt, self._params(sampling_params), stream, add_special_tokens, lora_request=lora)
+        return engine_request(self, prompt, self._params(sampling_params), stream, add_special_tokens, lora_request=lora)
 
     def _tokenizer(self) -> Any:
         if self.tokenizer is None:
@@ -283,6 +191,22 @@ class LLM:
         future = RequestFuture(request.request_id, self.engine.abort, streaming=request.stream)
         self.engine.submit(request, future)
         return future
+
+    async def open_stream(self, request: EngineRequest, *, merge: bool = True,
+                          skipped: Callable[[RequestOutput], Any] | None = None) -> RequestStream:
+        """Submit ``request`` (from :meth:`make_request`, ``stream=True``) from an event loop: its
+        :class:`RequestStream`, read with ``async for``; leaving the loop early or ``close()`` aborts
+        it.  What ``lmdock serve`` reads every request from.  A LoRA adapter is read from disk off the
+        loop on first use, and a request with a grammar is submitted on a thread, where the engine
+        compiles it.  ``merge`` and ``skipped``: as :class:`RequestStream`'s (snapshots that wait for
+        a slow reader are merged into the newest)."""
+        engine = self.engine
+        prepare = getattr(engine, "prepare_lora", None)
+        if request.lora_request is not None and prepare is not None:  # reads the adapter from disk on first use
+            await asyncio.to_thread(prepare, request.lora_request)
+        stream = RequestStream(request.request_id, engine.abort, merge=merge, skipped=skipped)
+        await submit_from_loop(engine, request, stream)
+        return stream
 
     def generate(
         self,
@@ -309,45 +233,13 @@ class LLM:
         if len(plist) != len(batch):
             raise RequestError(f"got {len(plist)} sampling_params for {len(batch)} prompts")
         loras = lora_per_prompt(lora_request, len(batch), self.model_config.adapters)
-        requests = [indexed(i, len(batch), self._request, p, self._params(sp), tokenizer_kwargs=tokenizer_kwargs, lora_request=lr)
+        requests = [indexed(i, len(batch), engine_request, self, p, self._params(sp), tokenizer_kwargs=tokenizer_kwargs, lora_request=lr)
                     for i, (p, sp, lr) in enumerate(zip(batch, plist, loras))]
         return self._run_batch(requests, use_tqdm)
 
     def _run_batch(self, requests: list[EngineRequest], use_tqdm: bool | None) -> list[RequestOutput]:
-        """Run a batch of any size: requests are fed as the engine's queue drains (vLLM's ``generate``
-        takes any number of prompts), so ``scheduler.max_waiting`` bounds concurrent submitters, not
-        one large offline batch."""
-        window = max(1, self.model_config.scheduler.max_waiting // 2 + self.model_config.scheduler.max_num_seqs)
-        futures: dict[int, RequestFuture] = {}
-        results: list[RequestOutput | None] = [None] * len(requests)
-        todo = deque(range(len(requests)))
-        progress = Progress(len(requests), use_tqdm if use_tqdm is not None else (None if len(requests) >= 16 else False))
-        try:
-            while todo or futures:
-                while todo and len(futures) < window:
-                    i = todo.popleft()
-                    futures[i] = indexed(i, len(requests), self._submit, requests[i])
-                done, _ = concurrent.futures.wait(futures.values(), return_when=concurrent.futures.FIRST_COMPLETED)
-                full = False
-                for i in [i for i, f in futures.items() if f in done]:
-                    fut = futures.pop(i)
-                    error = fut.exception()
-                    if isinstance(error, QueueFullError):  # other submitters filled the queue: retry later
-                        todo.appendleft(i)
-                        full = True
-                        continue
-                    if error is not None:
-                        raise indexed_error(i, len(requests), error)
-                    out = fut.result()
-                    results[i] = out
-                    progress.update(sum(len(o.token_ids) for o in out.outputs))
-                if full and not futures:
-                    time.sleep(0.01)
-            return results  # type: ignore[return-value]
-        except BaseException:
-            for fut in futures.values():
-                fut.cancel()
-            raise
+        scheduler = self.model_config.scheduler
+        return run_batch(self._submit, requests, max(1, scheduler.max_waiting // 2 + scheduler.max_num_seqs), use_tqdm)
 
     def chat(
         self,
@@ -381,36 +273,22 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         conversations = [content_as(chat_template_content_format, conv) for conv in conversations]  # type: ignore[arg-type]
         params = self._params(sampling_params)
-        plans, requests = [], []
         loras = lora_per_prompt(lora_request, len(conversations), self.model_config.adapters)
+        calls, requests = [], []
         for i, (conv, lora) in enumerate(zip(conversations, loras)):
-            plan = self.chat_plan(tools, tool_choice, parallel_tool_calls, chat_template, chat_template_kwargs)
-            prompt = self.render_chat(conv, chat_template, add_generation_prompt, continue_final_message,  # type: ignore[arg-type]
-                                      chat_template_kwargs, tools=plan.template_tools)
-            plan.after_render(prompt)
-            # The template writes the special tokens itself (BOS...), so they are not added again.
-            requests.append(indexed(i, len(conversations), self._request, prompt, self.constrained(params, plan), add_special_tokens=False,
-                                    lora_request=lora))
-            plans.append(plan)
-        outs = self._run_batch(requests, use_tqdm)
-        for plan, out in zip(plans, outs):
-            if plan.reads_calls or plan.reasoning is not None:
-                for c in out.outputs:
-                    reading = plan.read(c.text)
-                    c.content, c.reasoning_content, c.tool_calls = reading.content, reading.reasoning, reading.tool_calls
-        return outs
+            call = ChatCall(self, conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,  # type: ignore[arg-type]
+                            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
+                            tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls, lora_request=lora)
+            call.render()
+            requests.append(indexed(i, len(conversations), call.request, call.constrain(params)))
+            calls.append(call)
+        return [call.read(out) for call, out in zip(calls, self._run_batch(requests, use_tqdm))]
 
     def chat_plan(self, tools: Any = None, tool_choice: Any = None, parallel_tool_calls: bool | None = None,
                   chat_template: str | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> Any:
         """How a chat request with these fields treats tools and thinking (a :class:`lmdock.tools.ChatPlan`),
         with this model's parsers; RequestError naming the field that cannot be honoured."""
-        from lmdock.tools import ChatPlan
-
-        mc = self.model_config
-        template = chat_template or getattr(self.tokenizer, "chat_template", None)
-        return ChatPlan.make(tools, tool_choice, parallel_tool_calls, chat_template_kwargs, model=mc.name or mc.model,
-                             tool_parser=mc.tool_parser, reasoning_parser=mc.reasoning_parser,
-                             template=template if isinstance(template, str) else None)
+        return chat_plan(self, tools, tool_choice, parallel_tool_calls, chat_template, chat_template_kwargs)
 
     def constrained(self, params: SamplingParams, plan: Any) -> SamplingParams:
         """``params`` with the structured output that keeps ``plan``'s calls valid, where it needs one."""
@@ -428,27 +306,7 @@ class LLM:
     ) -> str:
         """The prompt text a conversation becomes (``tools``: the template's ``tools`` variable, as
         transformers' ``apply_chat_template(tools=...)``)."""
-        tok = self._tokenizer()
-        if chat_template is None and not getattr(tok, "chat_template", None):
-            raise RequestError(
-                f"model {self.model_config.model!r} has no chat template; pass chat_template=... "
-                "(a Jinja template) or use generate()"
-            )
-        from lmdock.tools import template_messages
-
-        extra = {"tools": tools} if tools else {}
-        try:
-            return tok.apply_chat_template(
-                template_messages(messages),
-                chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                tokenize=False,
-                **extra,
-                **(chat_template_kwargs or {}),
-            )
-        except Exception as exc:
-            raise RequestError(f"the chat template failed: {type(exc).__name__}: {exc}") from None
+        return render_chat(self, messages, chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs, tools)
 
     def generate_async(self, prompt: Prompt, sampling_params: ParamsArg = None, streaming: bool = False,
                        lora_request: LoRAArg = None) -> RequestFuture:
@@ -456,13 +314,13 @@ class LLM:
         ``.cancel()``, and ``async for out in fut``, which yields every cumulative snapshot with
         ``streaming=True`` (TensorRT-LLM's), else the final output once."""
         (lora,) = lora_per_prompt(lora_request, 1, self.model_config.adapters)
-        return self._submit(self._request(prompt, self._params(sampling_params), stream=streaming, lora_request=lora))
+        return self._submit(engine_request(self, prompt, self._params(sampling_params), stream=streaming, lora_request=lora))
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: Any, *, use_tqdm: bool | None = None) -> list[Any]:
         """vLLM's ``LLM.beam_search(prompts, BeamSearchParams(beam_width, max_tokens, ...))``: one
         ``BeamSearchOutput`` per prompt, whose ``sequences`` (best first) hold the prompt's and the
         beam's tokens, their text, and ``cum_logprob``.  Runs lmdock's beam search (``beam_width``)."""
-        from lmdock._beam_search import beam_search
+        from lmdock._llm.beam_search import beam_search
 
         return beam_search(self, prompts, params, use_tqdm)
 
@@ -471,31 +329,10 @@ class LLM:
 
         With ``n > 1`` each snapshot holds every completion (``out.outputs[i]``, by ``index``)."""
         (lora,) = lora_per_prompt(lora_request, 1, self.model_config.adapters)
-        request = self._request(prompt, self._params(sampling_params), stream=True, lora_request=lora)
-        sink = QueueSink()
-        self.engine.submit(request, sink)
-        finished = False
-        try:
-            while True:
-                item = self._next_item(sink)
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                self.engine.abort(request.request_id)
-
-    def _next_item(self, sink: QueueSink) -> Any:
-        """The next snapshot or error of a synchronous stream; never waits past the LLM's shutdown."""
-        while True:
-            try:
-                return sink.queue.get(timeout=0.5)
-            except queue.Empty:
-                if self._engine is None:
-                    raise EngineClosedError("the LLM was shut down while the stream was waiting") from None
+        request = engine_request(self, prompt, self._params(sampling_params), stream=True, lora_request=lora)
+        stream = RequestStream(request.request_id, self.engine.abort, alive=lambda: self._engine is not None)
+        self.engine.submit(request, stream)
+        yield from stream
 
     async def stream_generate(self, prompt: Prompt, sampling_params: ParamsArg = None, prompt_token_ids: Any = None,
                               tokenizer_kwargs: dict[str, Any] | None = None, lora_request: LoRAArg = None) -> AsyncIterator[str]:
@@ -511,27 +348,18 @@ class LLM:
                                "use LLM.stream(prompt, params), whose snapshots hold every completion (outputs[i])")
         (prompt,) = token_id_prompts(prompt_token_ids, prompt, one=True)
         (lora,) = lora_per_prompt(lora_request, 1, self.model_config.adapters)
-        request = self._request(prompt, params, stream=True, tokenizer_kwargs=tokenizer_kwargs, lora_request=lora)
-        sink = AsyncQueueSink(asyncio.get_running_loop())
-        self.engine.submit(request, sink)
+        request = engine_request(self, prompt, params, stream=True, tokenizer_kwargs=tokenizer_kwargs, lora_request=lora)
+        stream = RequestStream(request.request_id, self.engine.abort)
+        self.engine.submit(request, stream)
         sent = 0
-        finished = False
         try:
-            while True:
-                item = await sink.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                text = item.outputs[0].text
+            async for out in stream:
+                text = out.outputs[0].text
                 if len(text) > sent:
                     yield text[sent:]
                     sent = len(text)
-                if item.finished:
-                    finished = True
-                    return
         finally:
-            if not finished:
-                self.engine.abort(request.request_id)
-
+            stream.close()
 
     # -- next-token logprobs (genlm-backend's AsyncLM) --------------------------------------------
 
@@ -578,7 +406,6 @@ class LLM:
         if clear is not None:
             clear()
 
-
     # -- embeddings and scoring (furiosa-llm's / vLLM's embed and score) -----------------------
 
     def embed(
@@ -620,9 +447,3 @@ class LLM:
             raise UnsupportedError(f"backend {self.backend.name!r} has no {capability}: {reason}")
         raise UnsupportedError(f"model {self.model_config.model!r} was loaded for generation; {capability} needs an embedding "
                                "model (a BERT-style encoder or a sentence-transformers folder) or a cross-encoder")
-
-
-def _all_fields(params: SamplingParams) -> dict[str, Any]:
-    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
-
-
