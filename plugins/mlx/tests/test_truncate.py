@@ -60,7 +60,7 @@ def test_a_recurrent_state_cannot_be_truncated() -> None:
     args = lfm2.ModelArgs(model_type="lfm2", vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                           num_key_value_heads=1, max_position_embeddings=512, norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
                           block_dim=64, block_multiple_of=16, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False,
-                          block_ff_dim=128, layer_types=["conv", "full_attention"])
+                          block_ff_dim=128, rope_theta=10000.0, layer_types=["conv", "full_attention"])  # rope_theta: mlx-lm 0.30 needs it
     model = lfm2.Model(args)
     mx.eval(model.parameters())
     tokenizer = AutoTokenizer.from_pretrained(MODELS / "stories260K")
