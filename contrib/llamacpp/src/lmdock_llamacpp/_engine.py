@@ -229,6 +229,9 @@ class LlamaCppStepEngine:
         self._mem = lc.llama_get_memory(self.ctx)
         #: one state per sequence that cannot be cut back (see the module's docstring)
         self.recurrent = bool(lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model))
+        #: the contract's name for it: the prefix cache reuses whole prompts only, and the core runs
+        #: the model without speculative decoding (it could not drop rejected drafts) from the start
+        self.fork_truncates = not self.recurrent
         self._told_partial_fork = False
         self._batch = _Batch(self.n_batch)
         self._llama_seq: dict[int, int] = {}  # lmdock seq id -> llama.cpp seq id
