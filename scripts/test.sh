@@ -266,7 +266,8 @@ export LMDOCK_CACHE_DIR="$ENVS/onnx-lowest-cache"
 rm -rf "$LMDOCK_CACHE_DIR"
 # onnxruntime-genai's model builder (a test tool) imports onnx-ir APIs newer than the onnx-ir the
 # plugin declares (0.1): the builder's folder is tested in the onnx environment above
-t "$onnxl" plugins/onnx/tests --deselect plugins/onnx/tests/test_onnx.py::test_loads_onnxruntime_genai_model_builder_output
+t "$onnxl" plugins/onnx/tests --deselect plugins/onnx/tests/test_onnx.py::test_loads_onnxruntime_genai_model_builder_output \
+  --deselect plugins/onnx/tests/test_truncate.py::test_truncate_on_a_group_query_attention_graph
 t "$onnxl" --pyargs lmdock_conformance --lmdock-backend=onnx --lmdock-model="$LMDOCK_MODELS/stories260K" --lmdock-embed-model="$LMDOCK_EMBED_MODEL" -rs
 unset LMDOCK_CACHE_DIR LMDOCK_EMBED_MODEL
 echo "onnx-lowest tests took $(( $(date +%s) - low_t0 )) s"

@@ -156,6 +156,16 @@ class NumpyLlama(StepEngineBase):
         self.caches[dst_seq_id] = self.caches[src_seq_id].copy(length)
         return True
 
+    def truncate(self, seq_id: int, length: int) -> bool:
+        """Drop positions ``length``.. of a sequence (speculative decoding's rejected tokens): the
+        next chunk writes over them, and attention reads only ``[:start + n]``, so the length is all
+        there is to cut back."""
+        cache = self.caches.get(seq_id)
+        if cache is None:
+            raise BackendError(f"truncate: sequence {seq_id} holds no KV state")
+        cache.length = min(cache.length, length)
+        return True
+
     def num_sequences(self) -> int:
         return len(self.caches)
 

@@ -6,14 +6,16 @@ cache is unified (``kv_unified``), so all sequences share ``n_ctx`` cells and ro
 positions decode in one batch, each seeing only its own sequence.  A step asks llama.cpp for the
 logits of the rows the core needs only: the last token of each chunk, or every position of a chunk
 with ``all_logits``.  ``release`` is ``llama_memory_seq_rm``; ``fork`` is ``llama_memory_seq_cp``,
-which shares the cells rather than copying them.
+which shares the cells rather than copying them; ``truncate`` (speculative decoding's rollback) is a
+partial ``llama_memory_seq_rm``.
 
 A recurrent or hybrid model (Mamba, RWKV, Granite 4, Falcon-H1, LFM2...) keeps one state per sequence
 that holds everything up to its last position and cannot be cut back: ``llama_memory_seq_cp`` of the
 first ``length`` positions copies the whole state, and a partial ``llama_memory_seq_rm`` fails.  Such
 a model forks only at the source's full length (what ``n`` > 1, beam search and caching a prompt just
 computed ask for); a shorter fork, a prefix-cache hit inside a cached prompt, returns False, so the
-core computes the prompt itself.  Every memory call that reports failure raises a BackendError.
+core computes the prompt itself; ``truncate`` returns False, so the core runs such a model without
+speculative decoding.  Every memory call that reports failure raises a BackendError.
 
 The batch lives in NumPy arrays that the ``llama_batch`` struct points into, one sequence id per
 token, so filling a step is a few slice assignments.
@@ -224,6 +226,9 @@ class LlamaCppStepEngine(StepEngineBase):
         self._mem = lc.llama_get_memory(self.ctx)
         #: one state per sequence that cannot be cut back (see the module's docstring)
         self.recurrent = bool(lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model))
+        #: the contract's name for it: the prefix cache reuses whole prompts only, and the core runs
+        #: the model without speculative decoding (it could not drop rejected drafts) from the start
+        self.fork_truncates = not self.recurrent
         self._told_partial_fork = False
         self._batch = _Batch(self.n_batch)
         self._llama_seq: dict[int, int] = {}  # lmdock seq id -> llama.cpp seq id
@@ -377,6 +382,20 @@ class LlamaCppStepEngine(StepEngineBase):
         lc.llama_memory_seq_cp(self._mem, src, dst, 0, length)  # returns nothing: no failure to check
         self._llama_seq[dst_seq_id] = dst
         self._length[dst] = length
+        return True
+
+    def truncate(self, seq_id: int, length: int) -> bool:
+        """Drop positions ``length``.. of a sequence (speculative decoding's rejected tokens) with
+        ``llama_memory_seq_rm(seq, length, -1)``.  A recurrent or hybrid model's state cannot be cut
+        back: False, and the core runs it without speculation."""
+        sid = self._llama_seq.get(seq_id)
+        if sid is None:
+            raise BackendError(f"truncate: sequence {seq_id} holds no KV state")
+        if self.recurrent:
+            return False
+        if length < self._length[sid]:
+            self._seq_rm(sid, length, f"to truncate sequence {seq_id} to {length} positions")
+            self._length[sid] = length
         return True
 
     def num_sequences(self) -> int:

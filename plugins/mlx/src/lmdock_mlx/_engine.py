@@ -11,7 +11,8 @@ the device and queues it (``mx.async_eval``) before handing the logits back, as 
 do: MLX computes step t+1 while the core samples, detokenizes and reports step t, and building the
 next graph no longer waits for the host.  The next step takes that result when its chunks bring
 exactly the tokens run ahead with, at its positions; otherwise (a token differs, a sequence joins or
-skips a step) the position is trimmed from the caches and the step computes as usual.  A group row
+skips a step, ``truncate`` cuts the sequence back) the position is trimmed from the caches and the
+step computes as usual.  A group row
 that leaves is filtered out of the queued result too; a fork copies only positions before it.
 
 mlx-lm reads a top-level ``rope_theta`` and ignores transformers 5's ``rope_parameters``: when a
@@ -382,6 +383,31 @@ class MlxStepEngine(StepEngineBase):
             new.offset = length
             copies.append(new)
         self.caches[dst_seq_id] = copies
+        return True
+
+    def truncate(self, seq_id: int, length: int) -> bool:
+        """Drop positions ``length``.. of a sequence (speculative decoding's rejected tokens) with
+        mlx-lm's ``trim``.  A step run ahead over the sequence is undone first (its position lies
+        beyond what is kept), and a decode-group row leaves the group (``BatchKVCache`` trims all its
+        rows at once).  False where a layer's cache cannot be cut back: a recurrent (SSM / conv) state,
+        a sliding window that has wrapped around."""
+        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+        if self.ahead is not None and seq_id in self.ahead.seq_ids:
+            self.ahead.undo()  # the other rows it covers recompute their step: nothing else changes
+            self.ahead = None
+        if seq_id in self.group_ids:
+            row = self.group_ids.index(seq_id)
+            self.caches[seq_id] = [layer.extract(row) for layer in self.group]
+            self._drop_rows([seq_id])
+        cache = self.caches.get(seq_id)
+        if cache is None:
+            raise BackendError(f"truncate: sequence {seq_id} holds no KV state")
+        if not can_trim_prompt_cache(cache):
+            return False
+        held = max(layer.offset for layer in cache)
+        if length < held:
+            trim_prompt_cache(cache, held - length)
         return True
 
     def thread_exit(self) -> None:

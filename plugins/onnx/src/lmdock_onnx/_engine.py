@@ -348,6 +348,15 @@ class OnnxStepEngine(StepEngineBase):
         self.cache.copy(src_seq_id, dst_seq_id, length)
         return True
 
+    def truncate(self, seq_id: int, length: int) -> bool:
+        """Drop positions ``length``.. of a sequence (speculative decoding's rejected tokens).  The
+        buffers hold positions by index and every step's mask shows a row only ``[:start]`` of its
+        past, so the next chunk at ``start = length`` writes over them and nothing else reads them:
+        there is nothing to move."""
+        if seq_id not in self.cache.slot_of:
+            raise BackendError(f"truncate: sequence {seq_id} holds no KV state")
+        return True
+
     def num_sequences(self) -> int:
         return len(self.cache)
 

@@ -146,6 +146,7 @@ def llm_kwargs(mc: ModelConfig, api: Api, *, skip_tokenizer_init: bool = False, 
         if api == "legacy":
             raise UnsupportedError("guided_decoding_backend: structured output needs the current (PyTorch) TensorRT-LLM API")
         kwargs["guided_decoding_backend"] = guided_decoding_backend
+    refuse_speculative(mc)
     limits = _limits(mc)
     if api == "current":
         kwargs.update(limits)
@@ -157,6 +158,20 @@ def llm_kwargs(mc: ModelConfig, api: Api, *, skip_tokenizer_init: bool = False, 
             kwargs["quant_config"] = quant
     kwargs.update(extra or {})
     return kwargs
+
+
+def refuse_speculative(mc: ModelConfig) -> None:
+    """``[models.NAME.speculative]`` (issue 42) is refused: the API contract this plugin is tested
+    against (../shared/api-contracts) records ``LLM(speculative_config=...)`` only as a union
+    "discriminated on 'decoding_type'", with none of its members (n-gram, draft-target...) or their
+    fields, so a translation could not be checked and might be silently wrong."""
+    method = getattr(getattr(mc, "speculative", None), "method", None)
+    if method not in (None, "none"):
+        raise UnsupportedError(
+            f"speculative.method {method!r}: lmdock-trtllm does not translate [speculative] (the TensorRT-LLM API it is "
+            "tested against records speculative_config's members without their fields); pass TensorRT-LLM's own "
+            "config instead: backends.trtllm.llm_args = {speculative_config = {decoding_type = \"NGram\", ...}}"
+        )
 
 
 # -------------------------------------------------------------------------------------------------

@@ -122,10 +122,14 @@ def _build(model_config: ModelConfig) -> dict[str, Any] | None:
 def _load(model_config: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> Any:
     from lmdock.backend import read_pooling_config
 
+    from lmdock_vllm import _cpu_ngram
     from lmdock_vllm._engine import VllmEngine
     from lmdock_vllm._translate import with_options
 
     kwargs = with_options(build["engine_kwargs"], options, (quantization or {}).get("quantization"))
+    multiprocessing = options.multiprocessing
+    if _cpu_ngram.needs_fix(kwargs, is_cpu_build()):
+        multiprocessing = _cpu_ngram.prepare(multiprocessing)
     pooling = read_pooling_config(model_config.model)
     if pooling["task"] is not None:  # an embedding model or a cross-encoder: vLLM's pooling runner
         from lmdock_vllm._pooling import VllmPoolingEngine
@@ -133,7 +137,7 @@ def _load(model_config: ModelConfig, options: Any, quantization: Any, build: dic
 
         in_process(check_main_guard(kwargs, options.multiprocessing))
         return VllmPoolingEngine.load(model_config, kwargs, pooling)
-    return VllmEngine.load(model_config, kwargs, multiprocessing=options.multiprocessing, max_logprobs=options.max_logprobs)
+    return VllmEngine.load(model_config, kwargs, multiprocessing=multiprocessing, max_logprobs=options.max_logprobs)
 
 
 #: what the entry point names: the spec and the functions above (lmdock.backend.Backend)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from lmdock import ModelConfig, QuantConfig, RequestError, SamplingParams, UnsupportedError
@@ -89,12 +90,53 @@ def engine_kwargs(mc: ModelConfig, *, cpu: bool) -> dict[str, Any]:
     kwargs["kv_cache_dtype"] = KV_DTYPES[kv.dtype]
     _kv_size(mc, cpu, kwargs)
     kwargs.update(lora_kwargs(mc, cpu))
+    kwargs["speculative_config"] = speculative_config(getattr(mc, "speculative", None) or {})
     if mc.offload.weights_gpu_percent < 100.0:
         raise UnsupportedError(
             "offload: vLLM offloads weights by size, not by share; remove [offload] and set "
             "backends.vllm.engine_args = {cpu_offload_gb = N}"
         )
     return {k: v for k, v in kwargs.items() if v is not None}
+
+
+#: lmdock's speculative methods -> vLLM's ``speculative_config`` method names
+SPEC_METHODS = {"ngram": "ngram", "draft": "draft_model"}
+#: the keys of ``[models.NAME.speculative]`` (vLLM's names), as a dict or as lmdock's SpeculativeConfig
+SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "backend", "disable_by_batch_size")
+
+
+def speculative_config(spec: Any) -> dict[str, Any] | None:
+    """vLLM's ``speculative_config`` from ``[models.NAME.speculative]`` (issue 42); None when off.
+
+    The keys are vLLM's own, so the translation is mostly a check: vLLM speculates inside its engine
+    (its n-gram proposer, or a draft model it loads itself), and what it cannot take is refused."""
+    fields = dict(spec) if isinstance(spec, Mapping) else {k: getattr(spec, k, None) for k in SPEC_KEYS}
+    unknown = sorted(set(fields) - set(SPEC_KEYS))
+    if unknown:
+        raise UnsupportedError(f"speculative.{unknown[0]}: lmdock-vllm passes {', '.join(SPEC_KEYS)}; vLLM's other "
+                               "speculative_config keys go in backends.vllm.engine_args = {speculative_config = {...}}")
+    method = fields.get("method") or ("draft" if fields.get("model") else "none")
+    if method == "none":
+        return None
+    if method not in SPEC_METHODS:
+        raise UnsupportedError(f"speculative.method {method!r}: lmdock-vllm translates {' and '.join(SPEC_METHODS)}; for vLLM's "
+                               "other methods (eagle, mtp, suffix...) set backends.vllm.engine_args = {speculative_config = {...}}")
+    if fields.get("disable_by_batch_size") is not None:
+        raise UnsupportedError("speculative.disable_by_batch_size: vLLM 0.32's speculative_config has no such key (vLLM "
+                               "decides per step itself); remove it for backend 'vllm'")
+    out: dict[str, Any] = {"method": SPEC_METHODS[method], "num_speculative_tokens": fields.get("num_speculative_tokens") or 5}
+    if method == "ngram":
+        if fields.get("model"):
+            raise UnsupportedError(f"speculative.model {fields['model']!r}: method 'ngram' looks tokens up in the prompt and "
+                                   "needs no model; remove it, or set method = \"draft\"")
+        out |= {k: fields[k] for k in ("prompt_lookup_min", "prompt_lookup_max") if fields.get(k) is not None}
+        return out
+    if not fields.get("model"):
+        raise UnsupportedError("speculative.method 'draft' needs speculative.model: the draft model's path or hub id")
+    if fields.get("backend") not in (None, "vllm"):
+        raise UnsupportedError(f"speculative.backend {fields['backend']!r}: vLLM runs the draft model inside its own engine; "
+                               "remove backend (or set it to \"vllm\")")
+    return out | {"model": fields["model"]}
 
 
 def lora_kwargs(mc: ModelConfig, cpu: bool) -> dict[str, Any]:
@@ -190,6 +232,9 @@ def with_options(kwargs: dict[str, Any], options: Any, quant_method: str | None)
     # vLLM's own limit is lifted so that next-token queries get the whole vocabulary; the engine holds
     # users' requests to options.max_logprobs itself.
     out["max_logprobs"] = -1
+    if out.get("speculative_config") and "speculative_config" in options.engine_args:
+        raise UnsupportedError("speculative decoding is set twice: in [models.NAME.speculative] (or LLM(speculative_config=...)) "
+                               "and in backends.vllm.engine_args.speculative_config; keep one")
     out.update(options.engine_args)
     return out
 
