@@ -31,6 +31,7 @@ from lmdock._params import (
     ServerConfig,
 )
 from lmdock._schema import FieldError, build, coerce, json_schema, unknown_key
+from lmdock._speculative import SpeculativeConfig
 
 _VAR = re.compile(r"\$\{env\.([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
@@ -42,6 +43,7 @@ SECTIONS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "offload": OffloadPolicy,
     "pooling": PoolingParams,
+    "speculative": SpeculativeConfig,
 }
 _MODEL_KEYS = {"model", "backend", "fallback", "tokenizer", "revision", "trust_remote_code", "sampling", "backends",
                "keep_alive", "pin", "preload", "tool_parser", "reasoning_parser", "adapters", "replicas", "autoscaling",

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from lmdock._aliases import foreign_fields, foreign_sampling_fields
 from lmdock._lora import ADAPTER_NAME
 from lmdock._schema import check
+from lmdock._speculative import SpeculativeConfig
 
 _INF = float("inf")
 
@@ -672,6 +673,8 @@ class ModelConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     offload: OffloadPolicy = field(default_factory=OffloadPolicy)
     pooling: PoolingParams = field(default_factory=lambda: PoolingParams())
+    #: ``[models.NAME.speculative]`` (``lmdock._speculative``): off by default
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     sampling: dict[str, Any] = field(default_factory=dict)
     backends: dict[str, Any] = field(default_factory=dict)
     source: str | None = None

@@ -55,6 +55,7 @@ from lmdock._engine.sampler import LogitsProcessor, Sample, Sampler, host_array
 from lmdock._engine.sampling import sample_contained
 from lmdock._engine.scheduler import Scheduler
 from lmdock._engine.sequence import QuerySeq, Req, Seq, live
+from lmdock._engine.speculative import Speculation
 from lmdock._engine.validate import check_ids, check_request, compile_constraints, load_lora, prepare_lora
 from lmdock._errors import BackendError, EngineClosedError, RequestError
 
@@ -88,6 +89,7 @@ class StepRunner:
         prefix_caching: bool = False,
         async_output: bool | None = None,
         fill_masks: Callable[..., None] | None = None,
+        speculative: tuple[Any, Any] | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
@@ -109,6 +111,10 @@ class StepRunner:
         self._constraints_for = constraints_for
         if fill_masks is not None:
             self._fill_masks = fill_masks
+        #: speculative decoding: ``speculative = (SpeculativeConfig, proposer)``, or off
+        config, proposer = speculative or (None, None)
+        budget = getattr(getattr(scheduler, "config", None), "max_num_batched_tokens", 0) or 0
+        self.spec = Speculation(engine, config, proposer, budget, self.kv)
         self._max_failures = max_consecutive_failures
         self._failures = 0
         self._preemptions = 0
@@ -202,6 +208,7 @@ class StepRunner:
             "running_lora_adapters": _adapter_names(running),
             "waiting_lora_adapters": _adapter_names(waiting),
             "max_lora": int(getattr(self.engine, "max_loras", 0) or 0),
+            **self.spec.stats(),
         }
 
     # -- the loop (engine thread) -----------------------------------------------------------------
@@ -217,6 +224,7 @@ class StepRunner:
             log.exception("the engine loop stopped")
         finally:
             self._release_everything()
+            self.spec.close()
             self.deferred.close()
             # optional: per-thread resources the engine made in this thread (MLX streams)
             thread_exit = getattr(self.engine, "thread_exit", None)
@@ -308,11 +316,17 @@ class StepRunner:
         ready, beams, fan = self._progress(plan, chunks, out)  # 3
         if beams:
             self._beam_search(plan, beams, out)  # 4
-        if not ready:
+        verify = self.spec.split(ready)  # speculative verify rows are sampled position by position
+        if not ready and not verify:
             return
-        seqs, samples = self._sample(plan, ready, fan, out)  # 5
         texts: list[tuple[Seq, int, bool]] | None = [] if self.deferred.enabled else None
-        touched, failures = self.output.process(seqs, samples, self.kv, texts)  # 6
+        touched: Collection[Req] = ()
+        failures: list[Any] = []
+        if ready:
+            seqs, samples = self._sample(plan, ready, fan, out)  # 5
+            touched, failures = self.output.process(seqs, samples, self.kv, texts)  # 6
+        if verify:
+            touched, failures = self._verify(plan, verify, out, texts, touched, failures)  # 5-6
         if failures:
             self.requests.fail_each(failures)
         if touched or texts:
@@ -346,6 +360,7 @@ class StepRunner:
         """2. One engine step, with the last step's deferred output work beside it on the helper
         thread; a failure (or a malformed result) fails this step's sequences alone."""
         chunks = [chunk_for(seq, n) for seq, n in plan]
+        self.spec.propose(plan, chunks, self._kv_room(plan))  # decoding rows may become verify rows
         self.kv.hold(plan)  # the engine may take KV state for them from here on, even if the step fails
         out, failure, errors = self.deferred.beside(run_step, self.engine, chunks)
         if errors:
@@ -376,7 +391,7 @@ class StepRunner:
         fan: list[tuple[Seq, int]] = []
         caching = self.prompts.cache is not None  # checked once a step: most steps cache nothing
         for i, (seq, n) in enumerate(plan):
-            if chunks[i].all_logits and live(seq):
+            if chunks[i].all_logits and i not in self.spec.drafts and live(seq):
                 self._guard(seq, "recording prompt logprobs", self.output.record_prompt_logprobs, seq, chunks[i], out.full[seq.seq_id])
             if not live(seq):
                 continue
@@ -415,6 +430,27 @@ class StepRunner:
         if failures:
             self.requests.fail_each(failures)
         return seqs, samples
+
+    def _verify(self, plan: Plan, rows: list[int], out: Any, texts: list[tuple[Seq, int, bool]] | None,
+                touched: Collection[Req], failures: list[Any]) -> tuple[Collection[Req], list[Any]]:
+        """5-6 for speculative verify rows (``lmdock._engine.speculative``): their tokens, position by
+        position, with the ordinary sampler and output processing."""
+        reqs, more = self.spec.verify(
+            plan, rows, out.full,
+            lambda logits, seqs: sample_contained(self.sampler, logits, seqs, self._fill_masks),
+            lambda seqs, samples: self.output.process(seqs, samples, self.kv, texts),
+        )
+        reqs.update((id(r), r) for r in touched)
+        return reqs.values(), failures + more
+
+    def _kv_room(self, plan: Plan) -> int | None:
+        """KV positions free after the plan (None: the engine names no capacity)."""
+        capacity = getattr(self.scheduler, "capacity", None) or self.kv.capacity
+        if capacity is None or not self.spec.enabled:
+            return None
+        planned = {id(s): n for s, n in plan}
+        running = getattr(self.scheduler, "running", [s for s, _ in plan])
+        return capacity - sum(s.num_computed + planned.get(id(s), 0) for s in running)
 
     def _report(self, touched: Collection[Req], texts: list[tuple[Seq, int, bool]] | None) -> None:
         """7. Report to the sinks; with the overlap, the text and reports of requests without stop

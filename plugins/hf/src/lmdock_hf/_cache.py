@@ -127,6 +127,14 @@ class SlotKVCache(SlotTable):
             v[d, :, :length] = v[s, :, :length]
         self.states.copy(s, d)
 
+    def truncate(self, seq_id: int, length: int) -> bool:
+        """Cut a sequence back to ``length`` positions.  Attention KV needs nothing: a row reads keys
+        up to its own position only (the engine's mask), and the next chunk, at ``length``,
+        overwrites the stale ones.  A recurrent state has folded the dropped positions in: False."""
+        if self.states or seq_id not in self.slot_of:
+            return False
+        return length >= 0
+
     def state_length(self, seq_id: int) -> int:
         """The positions the sequence's recurrent state covers (it cannot be cut back: ``_states``)."""
         return self.states.lengths.get(self.slot_of[seq_id], 0)

@@ -175,6 +175,10 @@ class HFStepEngine:
         self.cache.copy(src_seq_id, dst_seq_id, length)
         return True
 
+    def truncate(self, seq_id: int, length: int) -> bool:
+        """Drop the sequence's positions from ``length`` on (speculative decoding's rejected drafts)."""
+        return self.cache.truncate(seq_id, length)
+
     def num_sequences(self) -> int:
         return len(self.cache)
 
