@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from lmdock._contract import SeqChunk
+from lmdock._engine.kv import KV
 
 log = logging.getLogger("lmdock.engine")
 
@@ -105,6 +106,7 @@ class DraftProposer:
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
+        self.kv = KV(engine, None)  # type: ignore[arg-type]  # the draft's own state: no scheduler
         self._held: dict[int, tuple[Any, int]] = {}  # seq_id -> (sequence, positions the draft computed)
 
     def propose(self, seqs: Sequence[Any], limits: Sequence[int]) -> list[list[int]]:
@@ -120,7 +122,7 @@ class DraftProposer:
             done = held[1] if held is not None and held[0] is seq else 0
             done = min(done, len(seq.token_ids) - 1)
             chunks.append(SeqChunk(seq.seq_id, list(seq.token_ids[done:]), done, False))
-        for step in range(max(limits[i] for i in rows)):
+        for _ in range(max(limits[i] for i in rows)):
             result = self.engine.step(chunks)
             tokens = np.asarray(_host(result.last)).argmax(axis=-1).tolist()
             nxt = []
@@ -155,10 +157,7 @@ class DraftProposer:
 
     def _drop(self, seq_id: int) -> None:
         self._held.pop(seq_id, None)
-        try:
-            self.engine.release(seq_id)
-        except Exception:
-            log.exception("the draft engine failed to release sequence %s", seq_id)
+        self.kv.release_ids([seq_id])  # guarded as every release is
 
     def close(self) -> None:
         for seq_id in list(self._held):

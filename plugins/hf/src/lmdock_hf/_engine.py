@@ -116,19 +116,37 @@ class HFStepEngine:
         if decode:
             last[decode] = self._forward([chunks[i] for i in decode], all_logits=False)
         decoded = set(decode)
-        for i, c in enumerate(chunks):
-            if i in decoded:
+        for rows in self._wide_groups(chunks, decoded):
+            c = chunks[rows[0]]
+            logits = self._forward([chunks[i] for i in rows], all_logits=c.all_logits)
+            if not c.all_logits:
+                last[rows] = logits
                 continue
-            logits = self._forward([c], all_logits=c.all_logits)
-            last[i] = logits[-1]
-            if c.all_logits:
-                full[c.seq_id] = logits.cpu().numpy()
+            host = logits.cpu().numpy()
+            for r, i in enumerate(rows):
+                last[i] = logits[r, -1]
+                full[chunks[i].seq_id] = host[r]
         if self.adapters is not None:
             self.adapters.evict(chunks)
         return StepOutput(last, full)
 
+    def _wide_groups(self, chunks: Sequence[SeqChunk], decoded: set[int]) -> list[list[int]]:
+        """The other chunks, one forward each; speculative verify rows (all logits, past the prompt's
+        start) of one width share a forward, on attention-only models (a recurrent state's rows are
+        not batched along the query axis here)."""
+        groups: dict[int, list[int]] = {}
+        out: list[list[int]] = []
+        for i, c in enumerate(chunks):
+            if i in decoded:
+                continue
+            if c.all_logits and c.start > 0 and not self.cache.states:
+                groups.setdefault(len(c.token_ids), []).append(i)
+            else:
+                out.append([i])
+        return out + list(groups.values())
+
     def _forward(self, chunks: list[SeqChunk], all_logits: bool) -> torch.Tensor:
-        """One forward over chunks of equal width; logits [rows, vocab] (or [width, vocab])."""
+        """One forward over chunks of equal width; logits [rows, vocab] (or [rows, width, vocab])."""
         width = len(chunks[0].token_ids)
         starts = [c.start for c in chunks]
         kv_len = max(starts) + width
@@ -153,7 +171,7 @@ class HFStepEngine:
                 self.adapters.clear()
         self.forward_calls += 1
         logits = out.logits.float()
-        return logits[0] if all_logits else logits[:, -1]
+        return logits if all_logits else logits[:, -1]
 
     def _mask(self, pos: torch.Tensor, kv_len: int, starts: list[int], width: int) -> torch.Tensor | None:
         """The additive 4D mask; None where our attention needs none (see ``lmdock_hf._attention``)."""
