@@ -20,7 +20,7 @@ from lmdock.backend import BackendSpec
 
 pytestmark = pytest.mark.usefixtures("host_overlap")
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "disable_by_batch_size": None}
 PROMPTS = ["abcabcab", "hello hello hel", "the cat the cat the", "xyz"]
 
 

@@ -34,8 +34,10 @@ class SpeculativeConfig:
     #: the draft model (``method = "draft"``): a path or hub id, and the backend that loads it (None: the target's)
     model: str | None = None
     backend: str | None = None
-    #: with this many sequences or more in a step, none speculates (vLLM's name; None: never off for size)
-    disable_by_batch_size: int | None = None
+    #: with this many sequences or more in a step, none speculates (vLLM's name; None: never off for
+    #: size).  lmdock's default is 4: measured on lmdock-hf (docs/benchmarks.md), a batch of 8 already
+    #: ran 0.7x slower speculating, its verify rows costing a second forward a step
+    disable_by_batch_size: int | None = 4
 
     def __post_init__(self) -> None:
         method = self.method

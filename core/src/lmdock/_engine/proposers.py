@@ -42,6 +42,8 @@ class Proposer(Protocol):
 
     def close(self) -> None: ...
 
+    # optional: ``sweep()``, called every loop iteration, frees what ended sequences held
+
 
 class NgramIndex:
     """One sequence's n-grams (``lo``..``hi`` tokens) by where they last ended, grown as it grows.
@@ -149,6 +151,11 @@ class DraftProposer:
                 self._held[seq.seq_id] = (seq, valid)
             else:  # cannot cut back: start this sequence's draft state again
                 self._drop(seq.seq_id)
+
+    def sweep(self) -> None:
+        """Release the draft state of sequences that ended (the loop calls it every iteration)."""
+        if self._held:
+            self._release_finished()
 
     def _release_finished(self) -> None:
         for seq_id, (seq, _) in list(self._held.items()):

@@ -245,6 +245,7 @@ class StepRunner:
             return False
         if self.scheduler.has_work():
             self._step()
+        self.spec.sweep()  # a draft model's state of sequences that ended goes at once
         if self.deferred.pending is not None and not self.scheduler.has_work():
             self._flush()  # no next step to overlap with
         return self._inbox.dead is None

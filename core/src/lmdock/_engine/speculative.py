@@ -219,6 +219,15 @@ class Speculation:
             "spec_decode_off": self.off if self.proposer is not None else None,
         }
 
+    def sweep(self) -> None:
+        """Let the proposer free what it holds for sequences that ended (its optional ``sweep``)."""
+        sweep = getattr(self.proposer, "sweep", None)
+        if sweep is not None:
+            try:
+                sweep()
+            except Exception as exc:
+                self._turn_off(f"the proposer failed: {type(exc).__name__}: {exc}")
+
     def close(self) -> None:
         if self.proposer is not None:
             try:

@@ -118,32 +118,36 @@ class HFStepEngine:
         decoded = set(decode)
         for rows in self._wide_groups(chunks, decoded):
             c = chunks[rows[0]]
-            logits = self._forward([chunks[i] for i in rows], all_logits=c.all_logits)
+            group = _padded([chunks[i] for i in rows])
+            cache.reserve(len(cache), max(g.start + len(g.token_ids) for g in group))
+            logits = self._forward(group, all_logits=c.all_logits)
             if not c.all_logits:
                 last[rows] = logits
                 continue
             host = logits.cpu().numpy()
             for r, i in enumerate(rows):
-                last[i] = logits[r, -1]
-                full[chunks[i].seq_id] = host[r]
+                width = len(chunks[i].token_ids)
+                last[i] = logits[r, width - 1]
+                full[chunks[i].seq_id] = host[r, :width]
         if self.adapters is not None:
             self.adapters.evict(chunks)
         return StepOutput(last, full)
 
     def _wide_groups(self, chunks: Sequence[SeqChunk], decoded: set[int]) -> list[list[int]]:
-        """The other chunks, one forward each; speculative verify rows (all logits, past the prompt's
-        start) of one width share a forward, on attention-only models (a recurrent state's rows are
-        not batched along the query axis here)."""
-        groups: dict[int, list[int]] = {}
+        """The other chunks, one forward each, but speculative verify rows (a few tokens with all
+        logits, past the prompt's start) share one forward, padded to the widest (``_padded``), on
+        attention-only models (a recurrent state would take the padding in)."""
+        verify: list[int] = []
         out: list[list[int]] = []
+        widest = max(len(c.token_ids) for c in chunks)
         for i, c in enumerate(chunks):
             if i in decoded:
                 continue
-            if c.all_logits and c.start > 0 and not self.cache.states:
-                groups.setdefault(len(c.token_ids), []).append(i)
+            if c.all_logits and c.start > 0 and not self.cache.states and c.start + widest <= self.max_seq_len:
+                verify.append(i)
             else:
                 out.append([i])
-        return out + list(groups.values())
+        return out + ([verify] if verify else [])
 
     def _forward(self, chunks: list[SeqChunk], all_logits: bool) -> torch.Tensor:
         """One forward over chunks of equal width; logits [rows, vocab] (or [rows, width, vocab])."""
@@ -204,6 +208,16 @@ class HFStepEngine:
         self.cache = SlotKVCache(self.device, self.dtype, self.max_seq_len)
         self.model = None
         self.adapters = None  # its weights go with the model
+
+
+def _padded(chunks: list[SeqChunk]) -> list[SeqChunk]:
+    """Chunks of one forward at one width: a shorter one repeats its last token.  The padding's KV
+    positions lie past the sequence's end, where its next chunk writes before any query of its
+    reads them (a row attends to keys up to its own position), and its logits are not returned."""
+    width = max(len(c.token_ids) for c in chunks)
+    return [c if len(c.token_ids) == width else
+            SeqChunk(c.seq_id, [*c.token_ids, *[c.token_ids[-1]] * (width - len(c.token_ids))], c.start, c.all_logits, c.argmax_next, c.lora)
+            for c in chunks]
 
 
 def _load_model(auto: Any, model: str, attn: str, kwargs: dict[str, Any]) -> Any:
