@@ -94,10 +94,10 @@ def main() -> None:
 
     for name in args.only.split(","):
         prompts = loads[name]
-        systems = {"off": lambda: run_llm(off, prompts), "on": lambda: run_llm(on, prompts)}
+        systems = {"off": lambda p=prompts: run_llm(off, p), "on": lambda p=prompts: run_llm(on, p)}
         if name in ("edit", "prose"):
-            systems["hf"] = lambda: run_hf(prompts, None)
-            systems["hf-lookup"] = lambda: run_hf(prompts, 10)
+            systems["hf"] = lambda p=prompts: run_hf(p, None)
+            systems["hf-lookup"] = lambda p=prompts: run_hf(p, 10)
         times: dict[str, list[float]] = {s: [] for s in systems}
         walls: dict[str, list[float]] = {s: [] for s in systems}
         outputs: dict[str, Any] = {}

@@ -129,6 +129,7 @@ def test_the_token_budget_bounds_the_drafts(isolated: Any) -> None:
 
 def test_disable_by_batch_size_turns_proposals_off(isolated: Any) -> None:
     plugin()
+    assert SpeculativeConfig(method="ngram").disable_by_batch_size == 4  # lmdock's default (docs/speculative.md)
     _, stats = run(PARAMS["greedy"], {**NGRAM, "disable_by_batch_size": 2})
     assert stats["spec_decode_num_drafts"] == 0  # four prompts run together: no step speculated
     _, stats = run(PARAMS["greedy"], {**NGRAM, "disable_by_batch_size": 2}, prompts=PROMPTS[:1])

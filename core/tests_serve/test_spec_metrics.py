@@ -35,6 +35,8 @@ def _samples(server: Server) -> dict[str, list]:
 
 
 def test_the_flag_turns_speculation_on_and_metrics_count_it(server: Server) -> None:
+    """The server runs with ``--speculative-config`` (the fixture): an edit-like completion is right,
+    and the counters under both names agree with ``/stats``."""
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
     text = client.completions.create(model="stories", prompt=f"{STORY} {STORY} Once upon a time", max_tokens=40, temperature=0).choices[0].text
     assert text.startswith(", there was a little girl named Lily")
