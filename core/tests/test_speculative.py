@@ -170,7 +170,7 @@ class BrokenProposer:
 def test_a_failing_proposer_turns_speculation_off_and_requests_go_on(isolated: Any) -> None:
     plugin()
     _plugins.get_registry().add_plugin(BrokenProposer(), "broken")
-    on, stats = run(PARAMS["greedy"], {"method": "broken"})
+    on, stats = run(PARAMS["greedy"], {"method": "broken", "disable_by_batch_size": None})
     assert "boom" in stats["spec_decode_off"]
     off, _ = run(PARAMS["greedy"], None)
     assert on == off
