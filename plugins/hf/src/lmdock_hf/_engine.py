@@ -24,6 +24,8 @@ from lmdock_hf._family import check, inspect
 from lmdock_hf._lora import DEFAULT_MAX_LORAS, Adapters
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: the widest chunk that shares a padded forward (speculative verify rows are a few tokens wide)
+MAX_PADDED_WIDTH = 64
 _register_attention = register  # the offload engine registers it too
 
 
@@ -137,13 +139,16 @@ class HFStepEngine:
         """The other chunks, one forward each, but speculative verify rows (a few tokens with all
         logits, past the prompt's start) share one forward, padded to the widest (``_padded``), on
         attention-only models (a recurrent state would take the padding in)."""
+        def short(c: SeqChunk) -> bool:
+            return c.all_logits and c.start > 0 and len(c.token_ids) <= MAX_PADDED_WIDTH
+
         verify: list[int] = []
         out: list[list[int]] = []
-        widest = max(len(c.token_ids) for c in chunks)
+        widest = max((len(c.token_ids) for i, c in enumerate(chunks) if i not in decoded and short(c)), default=0)
         for i, c in enumerate(chunks):
             if i in decoded:
                 continue
-            if c.all_logits and c.start > 0 and not self.cache.states and c.start + widest <= self.max_seq_len:
+            if short(c) and not self.cache.states and c.start + widest <= self.max_seq_len:
                 verify.append(i)
             else:
                 out.append([i])
