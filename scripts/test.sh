@@ -130,6 +130,12 @@ t "$hf" --pyargs lmdock_conformance --lmdock-backend=hf --lmdock-model="$LMDOCK_
 unset LMDOCK_EMBED_MODEL
 t "$hf" --pyargs lmdock_conformance --lmdock-backend=hf --lmdock-model="$LMDOCK_MODELS/stories260K" -rs \
   -k "$SAMPLING_TESTS" --lmdock-sampler=reference
+# speculative decoding (issue 42): the sampling tests with the target as its own draft (every draft
+# accepted: every verify path runs; ~6 min of CPU), and the generation tests with n-gram speculation
+t "$hf" --pyargs lmdock_conformance --lmdock-backend=hf --lmdock-model="$LMDOCK_MODELS/stories260K" -rs \
+  -k "test_generation or test_speculative" --lmdock-speculative='{"method": "ngram", "prompt_lookup_min": 1}'
+t "$hf" --pyargs lmdock_conformance --lmdock-backend=hf --lmdock-model="$LMDOCK_MODELS/stories260K" -rs \
+  -k "$SAMPLING_TESTS or test_speculative" --lmdock-speculative='{"method": "draft", "model": "@target", "num_speculative_tokens": 3}'
 # OffloadPolicy: every decoder layer streamed from the on-disk layout (docs/backends/hf.md); the
 # pooling tests belong to the embedding model's run above (offload is for causal decoder stacks)
 LMDOCK_CACHE_DIR="$ENVS/hf-cache" t "$hf" --pyargs lmdock_conformance --lmdock-backend=hf --lmdock-model="$LMDOCK_MODELS/stories260K" -rs \

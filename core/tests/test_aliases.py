@@ -42,6 +42,8 @@ SAME = [
     ({"dtype": "float"}, {"build": {"dtype": "float32"}}),
     ({"dtype": "torch.bfloat16"}, {"build": {"dtype": "bfloat16"}}),
     ({"max_model_len": 256}, {"build": {"max_seq_len": 256}}),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}},
+     {"speculative": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}}),
     ({"gpu_memory_utilization": 0.8}, {"kv_cache": {"memory_fraction": 0.8}}),
     ({"tensor_parallel_size": 2}, {"build": {"tensor_parallel_size": 2}}),
     ({"pipeline_parallel_size": 2}, {"build": {"pipeline_parallel_size": 2}}),

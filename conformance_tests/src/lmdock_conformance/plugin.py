@@ -34,6 +34,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="the zoo's GGUF conversions for a backend that loads GGUF files: DIR/<family>.gguf, and DIR/gguf.json naming "
                          "the families not converted, with the reason (contrib/llamacpp/tools/zoo_gguf.py writes both)")
     group.addoption("--lmdock-zoo-outcomes", default=None, help="write each family's outcome (exact / refused / diverged) to this JSON file")
+    group.addoption("--lmdock-speculative", default=None,
+                    help="JSON: run the suite with speculative decoding on (LLM(speculative_config=...)), e.g. "
+                         "'{\"method\": \"ngram\"}', or '{\"method\": \"draft\", \"model\": \"@target\"}' "
+                         "(the target as its own draft: every draft accepted); results must equal speculation off")
     group.addoption("--lmdock-sampler", choices=("backend", "reference"), default="backend",
                     help="who samples: the backend's choice (its native sampler, where it has one; default), or the core's "
                          "reference sampler forced (run the sampling tests both ways: the reference defines the semantics)")
@@ -53,6 +57,18 @@ def _options(config: pytest.Config) -> dict[str, Any]:
         raise pytest.UsageError(f"--lmdock-options is not valid JSON: {exc}") from None
     if not isinstance(options, dict):
         raise pytest.UsageError(f"--lmdock-options must be a JSON object of LLM(...) options, not {raw!r}")
+    spec = config.getoption("--lmdock-speculative", default=None)
+    if spec:
+        try:
+            value = json.loads(spec)
+        except json.JSONDecodeError as exc:
+            raise pytest.UsageError(f"--lmdock-speculative is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise pytest.UsageError(f"--lmdock-speculative must be a JSON object (a speculative_config), not {spec!r}")
+        if value.get("model") == "@target":
+            value["model"] = config.getoption("--lmdock-model")
+        # every step's rows speculate, however many: the suite's batches run the verify paths too
+        options["speculative"] = {"disable_by_batch_size": None, **value}
     return options
 
 

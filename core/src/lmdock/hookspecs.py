@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from lmdock._config.model import ModelConfig, QuantConfig, SchedulerConfig
     from lmdock._config.sampling import SamplingParams
+    from lmdock._config.speculative import SpeculativeConfig
     from lmdock._engine.sampler import LogitsProcessor, Sampler
     from lmdock._engine.scheduler import Scheduler
     from lmdock._plugin.contract import BackendSpec, RequestEngine, StepEngine
@@ -205,4 +206,18 @@ def lmdock_make_constraints(backend: str, model_config: ModelConfig, tokenizer: 
         compiled (that request fails alone).  Grammars reach it only after ``LLM``'s grammar check
         passed them (compiled by llguidance in a worker process: ``docs/structured-output.md``).  The callable may carry ``fill_masks(constraints, out)``,
         which fills a whole batch's boolean masks at once.  Return None to decline.
+    """
+
+
+@hookspec(firstresult=True)
+def lmdock_speculative_proposer(config: SpeculativeConfig, engine: Any, model_config: ModelConfig) -> Any:
+    """Create the proposer of speculative decoding for one step-engine ``LLM`` (issue 42).
+
+    Called once at load when ``[models.NAME.speculative]`` names a ``method``, with the target's step
+    ``engine``.  Stops at first non-None result.  The core answers last for ``ngram`` and ``draft``
+    (``lmdock._engine.proposers``); a plugin may answer for its own methods (EAGLE, MTP heads).  A
+    method no plugin answers for is refused at load.
+
+    :return: an object with ``propose(seqs, limits) -> list[list[int]]``, ``accepted(seq, kept)`` and
+        ``close()`` (see ``lmdock._engine.proposers.Proposer``), or None to decline.
     """

@@ -99,6 +99,9 @@ class NumpyLlama(StepEngineBase):
     and the optional members' defaults: no LoRA (``prepare_lora`` refuses), no ``truncate``, forks at
     any length, no ``thread_exit``.  An engine overrides what it does differently."""
 
+    #: ``truncate`` cuts rejected speculative drafts (see the method; it answers False where it cannot)
+    truncates = True
+
     def __init__(self, folder: Path, config: dict[str, Any], weights: dict[str, np.ndarray], tokenizer: Tokenizer) -> None:
         self.w = weights
         self.n_layers = config["num_hidden_layers"]

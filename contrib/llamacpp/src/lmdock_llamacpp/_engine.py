@@ -209,6 +209,9 @@ class _Batch:
 class LlamaCppStepEngine(StepEngineBase):
     """A GGUF model in one llama.cpp context, with a unified KV cache shared by its sequences."""
 
+    #: ``truncate`` cuts rejected speculative drafts (see the method; it answers False where it cannot)
+    truncates = True
+
     def __init__(self, model: Any, path: Path, options: Any, build: dict[str, Any], file_type: str, tokenizer: Any) -> None:
         self.model = model
         self.path = path

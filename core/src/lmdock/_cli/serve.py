@@ -29,6 +29,8 @@ def add_parser(sub: Any) -> None:
     sv.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="[models.NAME.build] dtype")
     sv.add_argument("--tensor-parallel-size", "-tp", type=int, metavar="N", help="[models.NAME.build] tensor_parallel_size")
     sv.add_argument("--gpu-memory-utilization", type=float, metavar="F", help="[models.NAME.kv_cache] memory_fraction")
+    sv.add_argument("--speculative-config", metavar="JSON", help="speculative decoding, as vLLM takes it: [models.NAME.speculative] "
+                    "(e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 5}'; docs/speculative.md)")
     sv.add_argument("--config", help="config file (default: $LMDOCK_CONFIG, ./lmdock.toml, ~/.config/lmdock/lmdock.toml)")
     sv.add_argument("--backend", help="backend name or 'auto' (overrides the config file)")
     sv.add_argument("--host", help="address to bind (default: [server] host, 127.0.0.1)")
@@ -62,4 +64,8 @@ def vllm_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {"build": build} if build else {}
     if args.gpu_memory_utilization is not None:
         options["kv_cache"] = {"memory_fraction": args.gpu_memory_utilization}
+    if args.speculative_config is not None:
+        from lmdock._config.speculative import parse_json
+
+        options["speculative"] = parse_json(args.speculative_config)
     return options

@@ -22,6 +22,7 @@ from lmdock._config.pooling import PoolingParams
 from lmdock._config.sampling import SamplingParams
 from lmdock._config.schema import FieldError, build, coerce, json_schema, unknown_key
 from lmdock._config.server import AUTOSCALING_KEYS, ServerConfig
+from lmdock._config.speculative import SpeculativeConfig
 from lmdock._plugin.errors import ConfigError
 
 _VAR = re.compile(r"\$\{env\.([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -34,6 +35,7 @@ SECTIONS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "offload": OffloadPolicy,
     "pooling": PoolingParams,
+    "speculative": SpeculativeConfig,
 }
 _MODEL_KEYS = {"model", "backend", "fallback", "tokenizer", "revision", "trust_remote_code", "sampling", "backends",
                "keep_alive", "pin", "preload", "tool_parser", "reasoning_parser", "adapters", "replicas", "autoscaling",

@@ -122,6 +122,7 @@ CONSTRUCTOR: dict[str, Alias] = {
     # vLLM (vllm.LLM / EngineArgs)
     "dtype": Alias("vLLM", _key("build.dtype", _dtype)),
     "max_model_len": Alias("vLLM", _key("build.max_seq_len")),
+    "speculative_config": Alias("vLLM", _config_object("speculative")),
     "gpu_memory_utilization": Alias("vLLM", _key("kv_cache.memory_fraction")),
     "tensor_parallel_size": Alias("vLLM", _key("build.tensor_parallel_size")),
     "pipeline_parallel_size": Alias("vLLM", _key("build.pipeline_parallel_size")),

@@ -14,6 +14,7 @@ from lmdock._config.foreign import accepts_foreign_fields
 from lmdock._config.pooling import PoolingParams
 from lmdock._config.schema import check
 from lmdock._config.server import replica_tables
+from lmdock._config.speculative import SpeculativeConfig
 from lmdock._llm.lora import ADAPTER_NAME
 
 
@@ -185,6 +186,8 @@ class ModelConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     offload: OffloadPolicy = field(default_factory=OffloadPolicy)
     pooling: PoolingParams = field(default_factory=PoolingParams)
+    #: ``[models.NAME.speculative]`` (``lmdock._config.speculative``): off by default
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     sampling: dict[str, Any] = field(default_factory=dict)
     backends: dict[str, Any] = field(default_factory=dict)
     source: str | None = None

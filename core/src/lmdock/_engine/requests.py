@@ -140,3 +140,9 @@ class Requests:
             else:
                 safe_put(req.sink, self.output.snapshot(req))
         return deferred
+
+
+def adapter_names(seqs: list[Seq]) -> str:
+    """The LoRA adapters the sequences' requests run under, by name, sorted and comma-separated."""
+    names = {s.req.request.lora_request.name for s in seqs if s.req is not None and s.req.request.lora_request is not None}
+    return ",".join(sorted(names))

@@ -49,11 +49,12 @@ from lmdock._engine.output import OutputProcessor
 from lmdock._engine.overlap import DeferredOutput
 from lmdock._engine.prompt_caching import PromptCaching
 from lmdock._engine.queries import Queries
-from lmdock._engine.requests import Requests
+from lmdock._engine.requests import Requests, adapter_names
 from lmdock._engine.sampler import LogitsProcessor, Sample, Sampler, host_array
 from lmdock._engine.sampling import sample_contained
 from lmdock._engine.scheduler import Scheduler
 from lmdock._engine.sequence import QuerySeq, Req, Seq, live
+from lmdock._engine.speculative import Speculation
 from lmdock._engine.step_engine import StepEngineBase, as_step_engine
 from lmdock._engine.validate import check_ids, check_request, compile_constraints, load_lora, prepare_lora
 from lmdock._plugin.contract import EngineRequest, OutputSink, SeqChunk
@@ -90,6 +91,7 @@ class StepRunner:
         prefix_caching: bool = False,
         async_output: bool | None = None,
         fill_masks: Callable[..., None] | None = None,
+        speculative: tuple[Any, Any] | None = None,
     ) -> None:
         self.engine = engine = as_step_engine(engine)
         self.tokenizer = engine.tokenizer
@@ -111,6 +113,10 @@ class StepRunner:
         self._constraints_for = constraints_for
         if fill_masks is not None:
             self._fill_masks = fill_masks
+        #: speculative decoding: ``speculative = (SpeculativeConfig, proposer)``, or off
+        config, proposer = speculative or (None, None)
+        budget = getattr(getattr(scheduler, "config", None), "max_num_batched_tokens", 0) or 0
+        self.spec = Speculation(engine, config, proposer, budget, self.kv)
         self._max_failures = max_consecutive_failures
         self._failures = 0
         self._preemptions = 0
@@ -200,9 +206,10 @@ class StepRunner:
             "prefix_caching": self.prompts.mode,
             "dead": self._inbox.dead is not None,
             # LoRA (vLLM's lora_requests_info): the adapters of running and waiting requests, by name
-            "running_lora_adapters": _adapter_names(running),
-            "waiting_lora_adapters": _adapter_names(waiting),
+            "running_lora_adapters": adapter_names(running),
+            "waiting_lora_adapters": adapter_names(waiting),
             "max_lora": int(self.engine.max_loras or 0),
+            **self.spec.stats(),
         }
 
     # -- the loop (engine thread) -----------------------------------------------------------------
@@ -218,6 +225,7 @@ class StepRunner:
             log.exception("the engine loop stopped")
         finally:
             self._release_everything()
+            self.spec.close()
             self.deferred.close()
             try:  # per-thread resources the engine made in this thread (MLX streams)
                 self.engine.thread_exit()
@@ -235,6 +243,7 @@ class StepRunner:
             return False
         if self.scheduler.has_work():
             self._step()
+        self.spec.sweep()  # a draft model's state of sequences that ended goes at once
         if self.deferred.pending is not None and not self.scheduler.has_work():
             self._flush()  # no next step to overlap with
         return self._inbox.dead is None
@@ -306,11 +315,17 @@ class StepRunner:
         ready, beams, fan = self._progress(plan, chunks, out)  # 3
         if beams:
             self._beam_search(plan, beams, out)  # 4
-        if not ready:
+        verify = self.spec.split(ready)  # speculative verify rows are sampled position by position
+        if not ready and not verify:
             return
-        seqs, samples = self._sample(plan, ready, fan, out)  # 5
         texts: list[tuple[Seq, int, bool]] | None = [] if self.deferred.enabled else None
-        touched, failures = self.output.process(seqs, samples, self.kv, texts)  # 6
+        touched: Collection[Req] = ()
+        failures: list[Any] = []
+        if ready:
+            seqs, samples = self._sample(plan, ready, fan, out)  # 5
+            touched, failures = self.output.process(seqs, samples, self.kv, texts)  # 6
+        if verify:
+            touched, failures = self._verify(plan, verify, out, texts, touched, failures)  # 5-6
         if failures:
             self.requests.fail_each(failures)
         if touched or texts:
@@ -344,6 +359,7 @@ class StepRunner:
         """2. One engine step, with the last step's deferred output work beside it on the helper
         thread; a failure (or a malformed result) fails this step's sequences alone."""
         chunks = [chunk_for(seq, n) for seq, n in plan]
+        self.spec.propose(plan, chunks, self.spec.room(plan, self.scheduler))  # decoding rows may become verify rows
         self.kv.hold(plan)  # the engine may take KV state for them from here on, even if the step fails
         out, failure, errors = self.deferred.beside(run_step, self.engine, chunks)
         if errors:
@@ -374,7 +390,7 @@ class StepRunner:
         fan: list[tuple[Seq, int]] = []
         caching = self.prompts.cache is not None  # checked once a step: most steps cache nothing
         for i, (seq, n) in enumerate(plan):
-            if chunks[i].all_logits and live(seq):
+            if chunks[i].all_logits and i not in self.spec.drafts and live(seq):
                 self._guard(seq, "recording prompt logprobs", self.output.record_prompt_logprobs, seq, chunks[i], out.full[seq.seq_id])
             if not live(seq):
                 continue
@@ -414,15 +430,21 @@ class StepRunner:
             self.requests.fail_each(failures)
         return seqs, samples
 
+    def _verify(self, plan: Plan, rows: list[int], out: Any, texts: list[tuple[Seq, int, bool]] | None,
+                touched: Collection[Req], failures: list[Any]) -> tuple[Collection[Req], list[Any]]:
+        """5-6 for speculative verify rows (``lmdock._engine.speculative``): their tokens, position by
+        position, with the ordinary sampler and output processing."""
+        reqs, more = self.spec.verify(
+            plan, rows, out.full,
+            lambda logits, seqs: sample_contained(self.sampler, logits, seqs, self._fill_masks),
+            lambda seqs, samples: self.output.process(seqs, samples, self.kv, texts),
+        )
+        reqs.update((id(r), r) for r in touched)
+        return reqs.values(), failures + more
+
     def _report(self, touched: Collection[Req], texts: list[tuple[Seq, int, bool]] | None) -> None:
         """7. Report to the sinks; with the overlap, the text and reports of requests without stop
         strings wait for the next engine step."""
         reports = self.requests.report(touched, defer=texts is not None)
         if texts is not None:
             self.requests.settle(self.deferred.defer(texts, reports))
-
-
-def _adapter_names(seqs: list[Any]) -> str:
-    """The LoRA adapters the sequences' requests run under, by name, sorted and comma-separated."""
-    names = {s.req.request.lora_request.name for s in seqs if s.req is not None and s.req.request.lora_request is not None}
-    return ",".join(sorted(names))

@@ -36,6 +36,9 @@ class StepEngineBase:
     #: state summarises them all): ``fork`` is then asked only at the length the state stands at, and
     #: automatic prefix caching reuses a cached prompt only where the new prompt extends all of it.
     fork_truncates: bool = True
+    #: True where ``truncate`` cuts a sequence back (rejected speculative drafts): the core speculates
+    #: only on such an engine (``[models.NAME.speculative]``, docs/speculative.md); the default cannot.
+    truncates: bool = False
     #: True where ``step`` spends its time outside the GIL and leaves a CPU core free (its forward
     #: runs on an accelerator): the core then detokenizes and delivers the previous step's outputs on
     #: a helper thread while ``step`` runs (``[scheduler] async_output`` overrides it).
@@ -121,6 +124,8 @@ class _Adapted(StepEngineBase):
 
     kv_capacity_tokens = _passed("kv_capacity_tokens", None)  # type: ignore[assignment]
     fork_truncates = _passed("fork_truncates", True)  # type: ignore[assignment]
+    truncates = property(lambda self: bool(getattr(self.wrapped, "truncates", hasattr(self.wrapped, "truncate"))),  # type: ignore[assignment]
+                         doc="the engine's ``truncates``, else whether it has a ``truncate``")
     overlap_host_work = _passed("overlap_host_work", False)  # type: ignore[assignment]
     scheduler_limits = _passed("scheduler_limits", None)  # type: ignore[assignment]
     max_loras = _passed("max_loras", 0)  # type: ignore[assignment]

@@ -1,4 +1,5 @@
-"""The core's built-in plugin: the FCFS scheduler, the reference sampler and structured output (llguidance).
+"""The core's built-in plugin: the FCFS scheduler, the reference sampler, structured output (llguidance)
+and the speculative proposers (n-gram, draft model).
 
 Registered like any other plugin, first, so third-party implementations that declare
 ``tryfirst=True`` (or simply answer for their own policy names) take precedence.
@@ -33,3 +34,18 @@ def lmdock_make_constraints(backend: str, model_config: Any, tokenizer: Any, voc
     from lmdock._engine.structured import ConstraintFactory
 
     return ConstraintFactory(tokenizer, vocab_size, eos_token_ids)
+
+
+@hookimpl(trylast=True)
+def lmdock_speculative_proposer(config: Any, engine: Any, model_config: Any) -> Any:
+    # n-gram prompt lookup, or a draft model loaded as a step engine (lmdock._engine.proposers)
+    if config.method == "ngram":
+        from lmdock._engine.proposers import NgramProposer
+
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "draft":
+        from lmdock._engine.proposers import DraftProposer
+        from lmdock._plugin.loader import load_draft_engine
+
+        return DraftProposer(load_draft_engine(config, engine, model_config))
+    return None

@@ -208,7 +208,50 @@ def _wrap_step_engine(engine: Any, spec: BackendSpec, mc: ModelConfig, hook: Any
     # fill_masks: a whole batch's masks at once, where the constraint stage has it
     return StepRunner(engine, scheduler, sampler, processors_for, constraints_for=make_constraints,
                       prefix_caching=mc.kv_cache.enable_prefix_caching, async_output=mc.scheduler.async_output,
-                      fill_masks=getattr(make_constraints, "fill_masks", None))
+                      fill_masks=getattr(make_constraints, "fill_masks", None), speculative=_proposer(engine, mc, hook))
+
+
+def _proposer(engine: Any, mc: ModelConfig, hook: Any) -> tuple[Any, Any] | None:
+    """``[speculative]``: the config and the proposer a plugin answers with; a method none answers
+    for is refused (the engine is closed first)."""
+    config = mc.speculative
+    if not config.enabled:
+        return None
+    try:
+        proposer = hook.lmdock_speculative_proposer(config=config, engine=engine, model_config=mc)
+    except BaseException:
+        engine.close()
+        raise
+    if proposer is None:
+        engine.close()
+        raise ConfigError(f"no plugin proposes with speculative method {config.method!r}; use 'ngram' or 'draft' "
+                          "(or install the plugin that provides it)", source=mc.source, key="speculative.method")
+    return config, proposer
+
+
+def load_draft_engine(config: Any, target: Any, mc: ModelConfig) -> Any:
+    """The draft model of ``method = "draft"`` as a step engine (the target's backend unless
+    ``speculative.backend`` names one), refused unless it shares the target's vocabulary."""
+    from lmdock._plugin.manager import get_registry
+
+    registry = get_registry()
+    dmc = ModelConfig(model=config.model, backend=config.backend or mc.backend, build=mc.build, source=mc.source)
+    names = _candidates(dmc, registry)
+    spec = registry.backend(names[0])
+    if spec.kind != "step":
+        raise ConfigError(f"the draft model needs a step backend; {spec.name!r} is a request engine", source=mc.source, key="speculative.backend")
+    hook = registry.hook()
+    options = build(spec.options, {}, source=mc.source) if spec.options else {}
+    build_args = hook.lmdock_translate_build_config(backend=spec.name, model_config=dmc) or {}
+    draft = hook.lmdock_load_engine(backend=spec.name, model_config=dmc, options=options, quantization=None, build=build_args)
+    if draft is None or not hasattr(draft, "step"):
+        raise ConfigError(f"backend {spec.name!r} could not load the draft model {config.model!r} as a step engine", source=mc.source, key="speculative.model")
+    if draft.vocab_size != target.vocab_size or tuple(draft.eos_token_ids) != tuple(target.eos_token_ids):
+        draft.close()
+        raise ConfigError(f"the draft model {config.model!r} does not share the target's vocabulary (vocab {draft.vocab_size} vs "
+                          f"{target.vocab_size}, eos {tuple(draft.eos_token_ids)} vs {tuple(target.eos_token_ids)})",
+                          source=mc.source, key="speculative.model")
+    return draft
 
 
 def sampling_dict(value: Any) -> dict[str, Any]:

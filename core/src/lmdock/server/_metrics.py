@@ -27,6 +27,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from lmdock.server._spec_metrics import spec_decode_series
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -68,8 +70,10 @@ class _EngineCollector:
             c.add_metric([model], float(s.get("num_preemptions_total", 0) or 0))
         yield c
         yield from _replica_series(per_model)
+        yield from spec_decode_series(per_model, "lmdock:")
         if self._vllm_names:
             yield from _vllm_gauges(per_model)
+            yield from spec_decode_series(per_model, "vllm:")
 
 
 def _replica_series(per_model: dict[str, dict[str, Any]]) -> Iterable[Any]:

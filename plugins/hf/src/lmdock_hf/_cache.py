@@ -145,6 +145,15 @@ class SlotKVCache(SlotTable):
         self.states.copy(s, d)
         self.states.lengths[d] = length
 
+    def truncate(self, seq_id: int, length: int) -> bool:
+        """Cut a sequence back to ``length`` positions.  Attention KV needs nothing: a row reads keys
+        up to its own position only (the engine's mask), and the next chunk, at ``length``,
+        overwrites the stale ones.  A recurrent state has folded the dropped positions in, and a sliding
+        layer's ring has written them over positions its window still needs: False."""
+        if self.states or self.windows or seq_id not in self.slot_of:
+            return False
+        return length >= 0
+
     def state_length(self, seq_id: int) -> int:
         """The positions the sequence has written: where its recurrent state and rings stand (neither
         can be cut back to fewer: ``_states``, ``_window``)."""

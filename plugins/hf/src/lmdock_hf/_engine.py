@@ -23,6 +23,8 @@ from lmdock_hf._family import check, inspect, windows
 from lmdock_hf._lora import Adapters
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: the widest chunk that shares a padded forward (speculative verify rows are a few tokens wide)
+MAX_PADDED_WIDTH = 64
 _register_attention = register  # the offload engine registers it too
 
 
@@ -51,6 +53,9 @@ class HFStepEngine(StepEngineBase):
         self.adapters: Adapters | None = Adapters(model, *lora_limits)
         #: a recurrent (SSM / conv) state cannot be cut back: forks only at the length it stands at
         self.fork_truncates = not inspect(model.config).recurrent
+        #: rejected drafts can be cut out (speculative decoding): not from a recurrent state, nor from a
+        #: sliding layer's ring, whose drafts overwrote positions its window still needs
+        self.truncates = self.fork_truncates and not self.kv_windows
 
     # -- loading --------------------------------------------------------------------------------
 
@@ -103,19 +108,44 @@ class HFStepEngine(StepEngineBase):
         if decode:
             last[decode] = self._forward([chunks[i] for i in decode], all_logits=False)
         decoded = set(decode)
-        for i, c in enumerate(chunks):
-            if i in decoded:
+        for rows in self._wide_groups(chunks, decoded):
+            c = chunks[rows[0]]
+            group = _padded([chunks[i] for i in rows])
+            cache.reserve(len(cache), max(g.start + len(g.token_ids) for g in group))
+            logits = self._forward(group, all_logits=c.all_logits)
+            if not c.all_logits:
+                last[rows] = logits
                 continue
-            logits = self._forward([c], all_logits=c.all_logits)
-            last[i] = logits[-1]
-            if c.all_logits:
-                full[c.seq_id] = logits.cpu().numpy()
+            host = logits.cpu().numpy()
+            for r, i in enumerate(rows):
+                width = len(chunks[i].token_ids)
+                last[i] = logits[r, width - 1]
+                full[chunks[i].seq_id] = host[r, :width]
         if self.adapters:
             self.adapters.evict(c.lora.key for c in chunks if c.lora is not None)
         return StepOutput(last, full)
 
+    def _wide_groups(self, chunks: Sequence[SeqChunk], decoded: set[int]) -> list[list[int]]:
+        """The other chunks, one forward each, but speculative verify rows (a few tokens with all
+        logits, past the prompt's start) share one forward, padded to the widest (``_padded``), on
+        attention-only models (a recurrent state would take the padding in)."""
+        def short(c: SeqChunk) -> bool:
+            return c.all_logits and c.start > 0 and len(c.token_ids) <= MAX_PADDED_WIDTH
+
+        verify: list[int] = []
+        out: list[list[int]] = []
+        widest = max((len(c.token_ids) for i, c in enumerate(chunks) if i not in decoded and short(c)), default=0)
+        for i, c in enumerate(chunks):
+            if i in decoded:
+                continue
+            if short(c) and self.truncates and c.start + widest <= self.max_seq_len:
+                verify.append(i)
+            else:
+                out.append([i])
+        return out + ([verify] if verify else [])
+
     def _forward(self, chunks: list[SeqChunk], all_logits: bool) -> torch.Tensor:
-        """One forward over chunks of equal width; logits [rows, vocab] (or [width, vocab])."""
+        """One forward over chunks of equal width; logits [rows, vocab] (or [rows, width, vocab])."""
         width = len(chunks[0].token_ids)
         starts = [c.start for c in chunks]
         kv_len = max(starts) + width
@@ -140,7 +170,7 @@ class HFStepEngine(StepEngineBase):
                 self.adapters.clear()
         self.forward_calls += 1
         logits = out.logits.float()
-        return logits[0] if all_logits else logits[:, -1]
+        return logits if all_logits else logits[:, -1]
 
     def _mask(self, pos: torch.Tensor, kv_len: int, starts: list[int], width: int) -> torch.Tensor | None:
         """The additive 4D mask; None where our attention needs none (see ``lmdock_hf._attention``)."""
@@ -166,6 +196,10 @@ class HFStepEngine(StepEngineBase):
         self.cache.copy(src_seq_id, dst_seq_id, length)
         return True
 
+    def truncate(self, seq_id: int, length: int) -> bool:
+        """Drop the sequence's positions from ``length`` on (speculative decoding's rejected drafts)."""
+        return self.cache.truncate(seq_id, length)
+
     def num_sequences(self) -> int:
         return len(self.cache)
 
@@ -178,6 +212,16 @@ class HFStepEngine(StepEngineBase):
 def lora_limits(build: dict[str, Any]) -> tuple[int | None, int | None]:
     """``build.max_loras`` and ``build.max_lora_rank`` (None: not set)."""
     return build.get("max_loras"), build.get("max_lora_rank")
+
+
+def _padded(chunks: list[SeqChunk]) -> list[SeqChunk]:
+    """Chunks of one forward at one width: a shorter one repeats its last token.  The padding's KV
+    positions lie past the sequence's end, where its next chunk writes before any query of its
+    reads them (a row attends to keys up to its own position), and its logits are not returned."""
+    width = max(len(c.token_ids) for c in chunks)
+    return [c if len(c.token_ids) == width else
+            SeqChunk(c.seq_id, [*c.token_ids, *[c.token_ids[-1]] * (width - len(c.token_ids))], c.start, c.all_logits, c.argmax_next, c.lora)
+            for c in chunks]
 
 
 def _load_model(auto: Any, model: str, attn: str, kwargs: dict[str, Any]) -> Any:

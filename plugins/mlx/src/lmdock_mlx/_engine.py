@@ -157,6 +157,9 @@ class _Ahead:
 
 
 class MlxStepEngine(StepEngineBase):
+
+    #: ``truncate`` cuts rejected speculative drafts (see the method; it answers False where it cannot)
+    truncates = True
     def __init__(self, model: Any, tokenizer: Any, eos: tuple[int, ...], max_seq_len: int, vocab_size: int, generation_config: dict[str, Any],
                  kv_max_tokens: int | None, lora_limits: tuple[int | None, int | None] = (None, None)) -> None:
         """``lora_limits``: ``build.max_loras`` and ``build.max_lora_rank``."""

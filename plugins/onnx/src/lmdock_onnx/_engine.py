@@ -200,6 +200,9 @@ class SlotCache(SlotTable):
 class OnnxStepEngine(StepEngineBase):
     """An exported causal LM on an ONNX Runtime session."""
 
+    #: ``truncate`` cuts rejected speculative drafts (see the method; it answers False where it cannot)
+    truncates = True
+
     def __init__(self, session: Any, layout: Layout, tokenizer: Any, *, eos: tuple[int, ...], max_seq_len: int,
                  vocab_size: int, generation_config: dict[str, Any], kv_max_tokens: int | None, folder: Path,
                  contiguous_past: bool = False) -> None:
