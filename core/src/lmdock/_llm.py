@@ -21,6 +21,7 @@ from lmdock._contract import EngineRequest, RequestEngine
 from lmdock._errors import ConfigError, EngineClosedError, QueueFullError, RequestError, UnsupportedError
 from lmdock._loader import load_engine, resolve_model
 from lmdock._lora import LoRAArg, LoRARequest, lora_per_prompt
+from lmdock._multimodal import PYTHON_LIMITS, chat_images, prepare, split_prompt
 from lmdock._outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
 from lmdock._params import EditableSamplingParams, SamplingParams, StructuredOutput
 from lmdock._pooling_calls import PoolingArg, PoolingCalls
@@ -93,6 +94,8 @@ class LLM:
                options: dict[str, Any], load: Callable[[ModelConfig], tuple[RequestEngine, BackendSpec]]) -> None:
         self._engine: RequestEngine | None = None
         self._grammar_check: Any = None
+        #: bounds on prompts' images (``lmdock serve`` sets its ``[server]`` ones)
+        self.image_limits = PYTHON_LIMITS
         model, options, after = constructor_options(model, options)
         serve_only = [k for k in SERVE_ONLY_KEYS if k in options]
         if serve_only:
@@ -197,6 +200,7 @@ class LLM:
 
     def _request(self, prompt: Prompt, params: SamplingParams, stream: bool = False, add_special_tokens: bool = True,
                  tokenizer_kwargs: dict[str, Any] | None = None, lora_request: LoRARequest | None = None) -> EngineRequest:
+        prompt, images = split_prompt(prompt)
         prompt = as_prompt(prompt)
         if lora_request is not None:
             ok, reason = self.backend.capability("lora")
@@ -205,11 +209,15 @@ class LLM:
                                        "lora_request, or pick a backend that lists lora in `lmdock backends`")
         if self.tokenizer is None and params.detokenize:  # skip_tokenizer_init: token ids out, no text
             params = params.replace(detokenize=False)
-        if isinstance(prompt, str):
+        mm = None
+        if images is not None:
+            ids, mm = prepare(self.engine, self.backend, prompt, images, add_special_tokens, self.image_limits)
+            text: str | None = prompt
+        elif isinstance(prompt, str):
             if not prompt:
                 raise RequestError("the prompt is empty: give at least one token or a non-empty string")
             ids = self._encode(prompt, add_special_tokens, tokenizer_kwargs)
-            text: str | None = prompt
+            text = prompt
         elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids, text = list(prompt), None
         else:
@@ -229,7 +237,7 @@ class LLM:
                 asked = ", ".join(n for n in ("logit_bias", "allowed_token_ids", "bad_words") if getattr(params, n) not in ({}, None, ()))
                 raise RequestError(f"{asked}: backend {self.backend.name!r} cannot bias or ban tokens ({reason}); remove it, or pick a "
                                    "backend that lists logit_bias in `lmdock backends`")
-        return EngineRequest(f"req-{next(_ids)}", text, ids, params, stream, lora_request)
+        return EngineRequest(f"req-{next(_ids)}", text, ids, params, stream, lora_request, mm)
 
     def check_grammar(self, params: SamplingParams) -> None:
         """Check ``params.structured_output`` in a grammar-check worker process (compiled, its first
@@ -385,9 +393,12 @@ class LLM:
         loras = lora_per_prompt(lora_request, len(conversations), self.model_config.adapters)
         for i, (conv, lora) in enumerate(zip(conversations, loras)):
             plan = self.chat_plan(tools, tool_choice, parallel_tool_calls, chat_template, chat_template_kwargs)
+            conv, images = indexed(i, len(conversations), chat_images, conv)  # image parts as the template's {"type": "image"}
             prompt = self.render_chat(conv, chat_template, add_generation_prompt, continue_final_message,  # type: ignore[arg-type]
                                       chat_template_kwargs, tools=plan.template_tools)
             plan.after_render(prompt)
+            if images:
+                prompt = {"prompt": prompt, "multi_modal_data": {"image": images}}
             # The template writes the special tokens itself (BOS...), so they are not added again.
             requests.append(indexed(i, len(conversations), self._request, prompt, self.constrained(params, plan), add_special_tokens=False,
                                     lora_request=lora))

@@ -11,8 +11,9 @@ from lmdock._errors import RequestError
 #: A prompt: text, token ids (TensorRT-LLM style), or vLLM's ``TextPrompt`` / ``TokensPrompt`` dict.
 Prompt = str | Sequence[int] | dict[str, Any]
 
-#: vLLM's prompt dicts: the key each carries its prompt under.  Other keys vLLM's dicts may hold
-#: (multi_modal_data, cache_salt...) ask for what lmdock cannot do, so they are refused, not dropped.
+#: vLLM's prompt dicts: the key each carries its prompt under.  ``multi_modal_data`` (images) is read
+#: by ``lmdock._multimodal``; other keys vLLM's dicts may hold (cache_salt...) ask for what lmdock
+#: cannot do, so they are refused, not dropped.
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
@@ -22,6 +23,8 @@ def as_prompt(prompt: Prompt) -> str | Sequence[int]:
     RequestError naming the keys it may hold: a dict is never read as a sequence of its keys."""
     if not isinstance(prompt, dict):
         return prompt
+    if "multi_modal_data" in prompt:
+        return prompt  # type: ignore[return-value]  # its images are read by LLM._request (lmdock._multimodal)
     other = sorted(set(prompt) - set(PROMPT_KEYS))
     if other or not prompt:
         what = f"has {', '.join(repr(k) for k in other)}" if other else "is empty"
