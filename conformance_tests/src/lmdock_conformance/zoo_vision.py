@@ -5,7 +5,7 @@ Each builder makes a transformers model from its config with a fixed seed (weigh
 with a processor made offline: the image processor from its class with explicit sizes, the
 tokenizer from stories260K's files with the family's image token added.  Nothing is downloaded.
 
-Images are drawn from a seeded NumPy array (:func:`test_image`).  Imports torch, transformers and
+Images are drawn from a seeded NumPy array (:func:`seeded_image`).  Imports torch, transformers and
 PIL inside the functions only.
 """
 
@@ -29,7 +29,7 @@ _TEXT = {"vocab_size": VOCAB + 1, "hidden_size": 64, "intermediate_size": 128, "
 FAMILIES = {"llava": "llava", "idefics3": "idefics3"}
 
 
-def test_image(seed: int, size: tuple[int, int] = (40, 30)) -> Any:
+def seeded_image(seed: int, size: tuple[int, int] = (40, 30)) -> Any:
     """An RGB PIL image of ``size`` (width, height) from a seeded array."""
     import numpy as np
     from PIL import Image

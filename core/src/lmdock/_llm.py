@@ -21,7 +21,7 @@ from lmdock._contract import EngineRequest, RequestEngine
 from lmdock._errors import ConfigError, EngineClosedError, QueueFullError, RequestError, UnsupportedError
 from lmdock._loader import load_engine, resolve_model
 from lmdock._lora import LoRAArg, LoRARequest, lora_per_prompt
-from lmdock._multimodal import PYTHON_LIMITS, chat_images, prepare, split_prompt
+from lmdock._multimodal import PYTHON_LIMITS, chat_images, prepare, processor_adds_special_tokens, split_prompt
 from lmdock._outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
 from lmdock._params import EditableSamplingParams, SamplingParams, StructuredOutput
 from lmdock._pooling_calls import PoolingArg, PoolingCalls
@@ -397,10 +397,12 @@ class LLM:
             prompt = self.render_chat(conv, chat_template, add_generation_prompt, continue_final_message,  # type: ignore[arg-type]
                                       chat_template_kwargs, tools=plan.template_tools)
             plan.after_render(prompt)
+            # The template writes the special tokens itself (BOS...), so they are not added again; with
+            # images, as transformers' processors do: added unless the rendered prompt starts with BOS.
+            special = bool(images) and processor_adds_special_tokens(prompt, self.tokenizer)
             if images:
                 prompt = {"prompt": prompt, "multi_modal_data": {"image": images}}
-            # The template writes the special tokens itself (BOS...), so they are not added again.
-            requests.append(indexed(i, len(conversations), self._request, prompt, self.constrained(params, plan), add_special_tokens=False,
+            requests.append(indexed(i, len(conversations), self._request, prompt, self.constrained(params, plan), add_special_tokens=special,
                                     lora_request=lora))
             plans.append(plan)
         outs = self._run_batch(requests, use_tqdm)

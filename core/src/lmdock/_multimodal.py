@@ -157,6 +157,14 @@ def _anthropic_source(source: Any, where: str) -> Any:
     raise RequestError(f"{where}.source.type {kind!r}: lmdock takes 'base64' (or 'url', see docs/vision.md)")
 
 
+def processor_adds_special_tokens(rendered: str, tokenizer: Any) -> bool:
+    """Whether a rendered chat prompt with images is tokenized with the tokenizer's special tokens:
+    transformers' processor ``apply_chat_template`` adds them unless the prompt starts with BOS (a
+    tokenizer's own ``apply_chat_template`` never adds them; lmdock's text-only chat follows that)."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return not (isinstance(bos, str) and bos and rendered.startswith(bos))
+
+
 # -- decoding --------------------------------------------------------------------------------------
 
 def load_image(value: Any, where: str, limits: ImageLimits = PYTHON_LIMITS) -> Any:
