@@ -131,9 +131,9 @@ unset LMDOCK_EMBED_MODEL
 t "$hf" --pyargs lmdock_conformance --lmdock-backend=hf --lmdock-model="$LMDOCK_MODELS/stories260K" -rs \
   -k "$SAMPLING_TESTS" --lmdock-sampler=reference
 # OffloadPolicy: every decoder layer streamed from the on-disk layout (docs/backends/hf.md); the
-# pooling tests belong to the embedding model's run above (offload is for causal decoder stacks)
+# pooling tests belong to the embedding model's run above (offload is for causal decoder stacks); the vision tests too (vision-language models are refused with [offload])
 LMDOCK_CACHE_DIR="$ENVS/hf-cache" t "$hf" --pyargs lmdock_conformance --lmdock-backend=hf --lmdock-model="$LMDOCK_MODELS/stories260K" -rs \
-  -k "not test_pooling" --lmdock-options='{"offload": {"weights_gpu_percent": 0, "weights_cpu_percent": 0}}'
+  -k "not test_pooling and not test_vision" --lmdock-options='{"offload": {"weights_gpu_percent": 0, "weights_cpu_percent": 0}}'
 
 echo "== serve: lmdock[serve] + lmdock-hf; lmdock serve with real clients (openai, lm-eval) over 127.0.0.1"
 serve_t0=$(date +%s)

@@ -95,6 +95,7 @@ SPEC = BackendSpec(
                         # forks and prefix reuse only at a recurrent state's whole length (docs/backends/llamacpp.md)
                         "recurrent_state"}),
     lacks={
+        "vision": "lmdock-llamacpp does not load llama.cpp's multimodal projector (mmproj) files yet (docs/vision.md)",
         "embed": "lmdock-llamacpp runs causal LMs; llama.cpp's embedding mode is not wired up yet",
         "score": "lmdock-llamacpp runs causal LMs; llama.cpp's reranking mode is not wired up yet",
         "offload": "no OffloadPolicy: llama.cpp maps the file (use_mmap) and places layers with n_gpu_layers",

@@ -41,6 +41,7 @@ SPEC = BackendSpec(
     family_support={"recurrent_state": frozenset({"falcon_h1", "lfm2"})},
     refuses_families={"gpt2": "mlx-lm 0.32 cannot load transformers 5's gpt2 checkpoints (their weight names differ from its port's)"},
     lacks={
+        "vision": "mlx-lm runs text models only; mlx-vlm's vision models do not fit the step-engine contract here yet (docs/vision.md)",
         "embed": "mlx-lm serves causal LMs",
         "score": "mlx-lm serves causal LMs",
         "offload": "MLX keeps weights in unified memory",
