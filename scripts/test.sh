@@ -139,7 +139,7 @@ echo "== serve: lmdock[serve] + lmdock-hf; lmdock serve with real clients (opena
 serve_t0=$(date +%s)
 sv=$(fresh_env serve)
 pipi "$sv" torch==2.13.0
-pipi "$sv" "./core[serve]" ./plugins/hf ./contrib/backend-template $TEST_TOOLS httpx openai psutil langchain-openai anthropic openai-agents "lm_eval[api]" vllm-router "$EMBED"
+pipi "$sv" "./core[serve]" ./plugins/hf ./contrib/backend-template ./conformance_tests $TEST_TOOLS httpx openai psutil langchain-openai anthropic openai-agents "lm_eval[api]" vllm-router "$EMBED"
 echo "serve environment installed in $(( $(date +%s) - serve_t0 )) s"
 serve_t0=$(date +%s)
 t "$sv" core/tests_serve core/tests/test_import.py

@@ -130,8 +130,10 @@ def image_of_part(part: Any, where: str) -> Any:
         return None
     if kind == "image_url":  # OpenAI chat: {"image_url": {"url": ...}} (or the URL alone)
         value = part.get("image_url")
+        _detail(value.get("detail") if isinstance(value, dict) else None, f"{where}.image_url.detail")
         value = value.get("url") if isinstance(value, dict) else value
     elif kind == "input_image":  # Responses: {"image_url": "..."}
+        _detail(part.get("detail"), f"{where}.detail")
         value = part.get("image_url")
         if part.get("file_id") is not None:
             raise RequestError(f"{where}: input_image file_id: lmdock has no file store; send the image as a data URL in image_url")
@@ -141,6 +143,13 @@ def image_of_part(part: Any, where: str) -> Any:
     if value is None or value == "":
         raise RequestError(f"{where}: an {kind} part without an image; give a data URL (data:image/png;base64,...)")
     return value
+
+
+def _detail(detail: Any, where: str) -> None:
+    """OpenAI's ``detail`` picks a resolution; lmdock feeds each image as the model's processor sizes it."""
+    if detail not in (None, "auto"):
+        raise RequestError(f"{where} {detail!r}: lmdock feeds images at the resolution the model's processor sets; "
+                           "send 'auto' or leave detail out")
 
 
 def _anthropic_source(source: Any, where: str) -> Any:

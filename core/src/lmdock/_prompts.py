@@ -62,15 +62,15 @@ def indexed_error(i: int, total: int, error: BaseException) -> BaseException:
     return RequestError(f"prompt {i}: {error}")
 
 
-def non_text_part(messages: Sequence[Any]) -> tuple[str, str] | None:
-    """``(where, kind)`` of the first chat content part that is not text (``image_url``,
-    ``input_audio``...), as ``messages[i].content[j]``, or None.  lmdock serves text models: a part
-    the model would never see must be refused, not passed as if it had been read."""
+def non_text_part(messages: Sequence[Any], allowed: Sequence[str] = ("text",)) -> tuple[str, str] | None:
+    """``(where, kind)`` of the first chat content part whose type is not in ``allowed`` (text; the
+    server adds image parts, which lmdock._multimodal reads), as ``messages[i].content[j]``, or None:
+    a part the model would never see (``input_audio``...) must be refused, not passed as if read."""
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         for j, part in enumerate(content if isinstance(content, list) else ()):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            if kind != "text":
+            if kind not in allowed:
                 return f"messages[{i}].content[{j}]", str(kind)
     return None
 

@@ -10,6 +10,7 @@ from chat renamed into the caller's field names, and server-sent events named by
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -18,6 +19,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
+from lmdock.server import _images as images
 from lmdock.server import serving_chat
 from lmdock.server._advisory import Ignored, reasoning_knobs
 from lmdock.server._errors import APIError
@@ -129,6 +131,9 @@ async def prompt_tokens(chat: dict[str, Any], request: Request, names: dict[str,
         sm, _, prompt = await serving_chat.render(chat_request(chat), request, thinking)
     except APIError as exc:
         raise renamed(exc, names) from None
+    if isinstance(prompt, dict):  # with images: as the model's processor expands their placeholders
+        made = await asyncio.to_thread(sm.llm.make_request, prompt, add_special_tokens=images.special_tokens(prompt, sm.llm.tokenizer))
+        return len(made.prompt_token_ids)
     return len(sm.llm.tokenizer.encode(prompt, add_special_tokens=False))
 
 

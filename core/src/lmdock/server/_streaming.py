@@ -52,7 +52,7 @@ class Admission:
             self.count = 0
 
 
-async def engine_stream(st: ServerState, sm: ServedModel, prompt: str | list[int], params: Any,
+async def engine_stream(st: ServerState, sm: ServedModel, prompt: str | list[int] | dict[str, Any], params: Any,
                         add_special_tokens: bool = True, max_tokens_field: str | None = None,
                         lora_request: LoRARequest | None = None, clamp: bool | None = None) -> AsyncIterator[RequestOutput]:
     """Submit one request and yield its snapshots; leaving early (disconnect, cancel) aborts it at once.
@@ -63,7 +63,11 @@ async def engine_stream(st: ServerState, sm: ServedModel, prompt: str | list[int
     ``lora_request``: the adapter a ``NAME:ADAPTER`` model name asked for, or None."""
     llm = sm.llm
     await llm.acheck_grammar(params)  # in a worker process, off this loop (lmdock._grammar_check)
-    request = llm.make_request(prompt, params, stream=True, add_special_tokens=add_special_tokens, lora_request=lora_request)
+    if isinstance(prompt, dict):  # images: decoded and run through the model's processor off this loop
+        request = await asyncio.to_thread(llm.make_request, prompt, params, stream=True, add_special_tokens=add_special_tokens,
+                                          lora_request=lora_request)
+    else:
+        request = llm.make_request(prompt, params, stream=True, add_special_tokens=add_special_tokens, lora_request=lora_request)
     if max_tokens_field is not None:
         room = llm.max_model_len - len(request.prompt_token_ids)
         if params.max_new_tokens > room:

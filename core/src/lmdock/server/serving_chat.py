@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from lmdock._errors import LmdockError
 from lmdock._logprobs import chat_logprobs
 from lmdock._outputs import CompletionOutput, RequestOutput
+from lmdock.server import _images as images
 from lmdock.server._advisory import Ignored
 from lmdock.server._errors import APIError, as_api_error
 from lmdock.server._protocol import ChatRequest, usage
@@ -67,11 +68,12 @@ async def start_chat(body: ChatRequest, request: Request, prepare: Prepare | Non
         raise _tool_error(exc, st.retry_after, sm) from None
     budget = None
     if thinking_budget is not None and sm.llm.backend.kind == "step":
-        budget = plan.thinking_budget(thinking_budget, sm.llm.tokenizer, prompt)
+        budget = plan.thinking_budget(thinking_budget, sm.llm.tokenizer, images.text_of(prompt))
         if budget is not None:
             params = params.replace(logits_processors=(*params.logits_processors, budget))
     lora = st.adapter(body.model)  # NAME:ADAPTER runs under the adapter on NAME's engine
-    admission, streams, firsts = await submit_admitted(request, st, sm, [prompt], params, add_special_tokens=False,
+    special = images.special_tokens(prompt, sm.llm.tokenizer)
+    admission, streams, firsts = await submit_admitted(request, st, sm, [prompt], params, add_special_tokens=special,
                                                        max_tokens_field=body.max_tokens_field(), lora_request=lora, clamp=clamp)
     run = ChatRun(body, request, sm, plan, admission, streams, firsts, st.retry_after, params.n)
     run.budget_held = budget is not None
@@ -80,7 +82,7 @@ async def start_chat(body: ChatRequest, request: Request, prepare: Prepare | Non
     return run
 
 
-async def render(body: ChatRequest, request: Request, prepare: Prepare | None = None) -> tuple[ServedModel, Any, str]:
+async def render(body: ChatRequest, request: Request, prepare: Prepare | None = None) -> tuple[ServedModel, Any, str | dict[str, Any]]:
     """The model, the tools' plan and the prompt a chat request renders to: what :func:`start_chat`
     submits, and what ``/v1/messages/count_tokens`` counts.  ``prepare(sm, body)``, once the model is
     known, adjusts the body to it (the agent routes set the template's reasoning knob there)."""
@@ -109,14 +111,19 @@ def _tool_error(exc: LmdockError, retry: int, sm: ServedModel) -> APIError:
     return err
 
 
-async def _render(st: ServerState, sm: ServedModel, body: ChatRequest, plan: Any) -> str:
-    """The prompt, rendered off the event loop within the server's time and size limits."""
+async def _render(st: ServerState, sm: ServedModel, body: ChatRequest, plan: Any) -> str | dict[str, Any]:
+    """The prompt, rendered off the event loop within the server's time and size limits; with the
+    messages' images, vLLM's ``{"prompt", "multi_modal_data"}`` (``server/_images.py``)."""
     if body.continue_final_message and body.add_generation_prompt:
         raise APIError(400, "continue_final_message needs add_generation_prompt: false", param="continue_final_message")
     check_request_template(body.chat_template, st.settings)
+    try:
+        messages, pictures = images.split(body.messages)
+    except LmdockError as exc:
+        raise as_api_error(exc, st.retry_after, sm.hide) from None
 
     def render() -> str:
-        return sm.llm.render_chat(body.messages, body.chat_template or sm.chat_template, body.add_generation_prompt,  # type: ignore[no-any-return]
+        return sm.llm.render_chat(messages, body.chat_template or sm.chat_template, body.add_generation_prompt,  # type: ignore[no-any-return]
                                   body.continue_final_message, body.chat_template_kwargs, tools=plan.template_tools)
 
     try:
@@ -124,7 +131,7 @@ async def _render(st: ServerState, sm: ServedModel, body: ChatRequest, plan: Any
     except LmdockError as exc:
         raise as_api_error(exc, st.retry_after, sm.hide) from None
     plan.after_render(prompt)
-    return prompt
+    return images.prompt(prompt, pictures)
 
 
 def finish_reason(c: CompletionOutput, calls: list[Any]) -> str | None:
