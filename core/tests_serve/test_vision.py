@@ -116,6 +116,9 @@ def test_a_file_under_image_dir(vserver: Server, expected: Any) -> None:
     ([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}], "input_audio"),
 ])
 def test_bad_images_are_400s(vserver: Server, content: list[Any], needle: str) -> None:
+    """Undecodable data, http(s) URLs, paths outside [server] image_dir, an image over [server]
+    max_image_pixels, more than [server] max_images_per_request images, OpenAI's detail and a
+    non-image part: each a 400 naming it."""
     for part in content:
         url = part.get("image_url", {}).get("url")
         if url in ("big", "small"):
