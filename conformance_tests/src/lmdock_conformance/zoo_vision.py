@@ -38,11 +38,12 @@ def seeded_image(seed: int, size: tuple[int, int] = (40, 30)) -> Any:
     return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB")
 
 
-def build(family: str, target: str | Path, tokenizer: str | Path | None = None) -> Path:
-    """Build ``family``'s checkpoint and processor into ``target``; returns it."""
+def build(family: str, target: str | Path, tokenizer: str | Path | None = None, **sizes: Any) -> Path:
+    """Build ``family``'s checkpoint and processor into ``target``; returns it.  ``sizes`` (LLaVA
+    only, for benchmarks): ``text`` and ``vision`` config overrides, ``image_size`` in pixels."""
     target = Path(target)
     tok = _tokenizer(Path(tokenizer or Path(os.environ.get("LMDOCK_MODELS", "../shared/models")) / "stories260K"))
-    model, processor = {"llava": _llava, "idefics3": _idefics3}[family](tok)
+    model, processor = {"llava": _llava, "idefics3": _idefics3}[family](tok, **sizes)
     model.save_pretrained(target)
     processor.save_pretrained(target)
     tok.save_pretrained(target)
@@ -76,7 +77,7 @@ def _widen(model: Any) -> Any:
     return model.eval()
 
 
-def _llava(tok: Any) -> tuple[Any, Any]:
+def _llava(tok: Any, text: dict[str, Any] | None = None, vision: dict[str, Any] | None = None, image_size: int = 28) -> tuple[Any, Any]:
     """LLaVA: a CLIP vision tower (28x28 pixels, 14-pixel patches: 4 features an image), a projector, Llama."""
     import torch
     from transformers import (
@@ -88,13 +89,13 @@ def _llava(tok: Any) -> tuple[Any, Any]:
         LlavaProcessor,
     )
 
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
-                              patch_size=14, projection_dim=32)
-    cfg = LlavaConfig(vision_config=vision, text_config=LlamaConfig(**_TEXT), image_token_id=VOCAB, vision_feature_layer=-1,
+    tower = CLIPVisionConfig(**{"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                                "image_size": image_size, "patch_size": 14, "projection_dim": 32, **(vision or {})})
+    cfg = LlavaConfig(vision_config=tower, text_config=LlamaConfig(**{**_TEXT, **(text or {})}), image_token_id=VOCAB, vision_feature_layer=-1,
                       vision_feature_select_strategy="default", projector_hidden_act="gelu")
     torch.manual_seed(SEED)
     model = _widen(LlavaForConditionalGeneration(cfg))
-    images = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    images = CLIPImageProcessor(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size})
     processor = LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
                                num_additional_image_tokens=1, chat_template=_TEMPLATE, image_token="<image>")
     return model, processor
