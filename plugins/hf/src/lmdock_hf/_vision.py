@@ -64,6 +64,8 @@ class Vision:
         self.features: OrderedDict[tuple[str, ...], torch.Tensor] = OrderedDict()
         #: how many times the vision tower ran (a request's images at once), for stats and tests
         self.encodes = 0
+        # transformers 4.x returns the features themselves and takes no return_dict (a TypeError there)
+        self._returns_dict = _is_v5()
 
     # -- in the submitting thread --------------------------------------------------------------------
 
@@ -110,7 +112,9 @@ class Vision:
             self.features.move_to_end(data.key)
             return found
         inputs = {k: _on(v, self.model) for k, v in data.processed.items() if k != "image_positions"}
-        out = self.model.get_image_features(**inputs, return_dict=True)
+        if self._returns_dict:  # transformers 5: a ModelOutput whose pooler_output holds the features
+            inputs["return_dict"] = True
+        out = self.model.get_image_features(**inputs)
         feats = getattr(out, "pooler_output", out)
         feats = torch.cat([f.reshape(-1, f.shape[-1]) for f in feats]) if isinstance(feats, (list, tuple)) else feats.reshape(-1, feats.shape[-1])
         want = len(data.processed["image_positions"])
@@ -121,6 +125,12 @@ class Vision:
         while len(self.features) > _CACHED:
             self.features.popitem(last=False)
         return feats
+
+
+def _is_v5() -> bool:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0]) >= 5
 
 
 def _on(value: Any, model: Any) -> Any:
