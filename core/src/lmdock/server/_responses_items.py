@@ -140,8 +140,8 @@ def _text(content: Any, where: str) -> str:
     for j, part in enumerate(content):
         kind = kind_field(part, "type", f"{where}.{j}") if isinstance(part, dict) else type(part).__name__
         if kind not in _TEXT_PARTS:
-            raise APIError(400, f"{where}.{j} is a {kind!r} part; lmdock serves text models, which would not see it: "
-                                "send input_text parts only", param=f"{where}.{j}.type")
+            raise APIError(400, f"{where}.{j} is a {kind!r} part; the model would not see it: "
+                                "send input_text (or input_image) parts only", param=f"{where}.{j}.type")
         refuse_keys(part, _TEXT_PARTS[kind], f"{where}.{j}")
         texts.append(string_field(part, "refusal" if kind == "refusal" else "text", f"{where}.{j}"))
     return "\n".join(texts)
