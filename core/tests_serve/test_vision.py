@@ -97,6 +97,20 @@ def test_anthropic_image_block(vserver: Server, expected: Any) -> None:
     assert out.content[0].text == expected(image)
 
 
+def test_count_tokens_expands_the_image(vserver: Server, llava: str) -> None:
+    """``/v1/messages/count_tokens`` counts the image's tokens as the model's processor expands them."""
+    from transformers import AutoProcessor
+
+    image = seeded_image(38)
+    conv = [{"role": "user", "content": [{"type": "text", "text": PROMPT}, {"type": "image", "image": image}]}]
+    want = AutoProcessor.from_pretrained(llava).apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=True)
+    client = anthropic.Anthropic(base_url=vserver.url, api_key="x", max_retries=0)
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(_png(image)).decode()}
+    n = client.messages.count_tokens(model="llava", messages=[
+        {"role": "user", "content": [{"type": "text", "text": PROMPT}, {"type": "image", "source": source}]}])
+    assert n.input_tokens == len(want["input_ids"][0]) > 4  # the 4 image tokens are in it
+
+
 def test_a_file_under_image_dir(vserver: Server, expected: Any) -> None:
     image = seeded_image(34)
     path = vserver.images / "a.png"  # type: ignore[attr-defined]
