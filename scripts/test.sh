@@ -137,15 +137,15 @@ t "$hf" --pyargs lmdock_conformance --lmdock-backend=hf --lmdock-model="$LMDOCK_
 t "$hf" --pyargs lmdock_conformance --lmdock-backend=hf --lmdock-model="$LMDOCK_MODELS/stories260K" -rs \
   -k "$SAMPLING_TESTS or test_speculative" --lmdock-speculative='{"method": "draft", "model": "@target", "num_speculative_tokens": 3}'
 # OffloadPolicy: every decoder layer streamed from the on-disk layout (docs/backends/hf.md); the
-# pooling tests belong to the embedding model's run above (offload is for causal decoder stacks)
+# pooling tests belong to the embedding model's run above (offload is for causal decoder stacks); the vision tests too (vision-language models are refused with [offload])
 LMDOCK_CACHE_DIR="$ENVS/hf-cache" t "$hf" --pyargs lmdock_conformance --lmdock-backend=hf --lmdock-model="$LMDOCK_MODELS/stories260K" -rs \
-  -k "not test_pooling" --lmdock-options='{"offload": {"weights_gpu_percent": 0, "weights_cpu_percent": 0}}'
+  -k "not test_pooling and not test_vision" --lmdock-options='{"offload": {"weights_gpu_percent": 0, "weights_cpu_percent": 0}}'
 
 echo "== serve: lmdock[serve] + lmdock-hf; lmdock serve with real clients (openai, lm-eval) over 127.0.0.1"
 serve_t0=$(date +%s)
 sv=$(fresh_env serve)
 pipi "$sv" torch==2.13.0
-pipi "$sv" "./core[serve]" ./plugins/hf ./contrib/backend-template $TEST_TOOLS httpx openai psutil langchain-openai anthropic openai-agents "lm_eval[api]" vllm-router "$EMBED"
+pipi "$sv" "./core[serve]" ./plugins/hf ./contrib/backend-template ./conformance_tests $TEST_TOOLS httpx openai psutil langchain-openai anthropic openai-agents "lm_eval[api]" vllm-router "$EMBED"
 echo "serve environment installed in $(( $(date +%s) - serve_t0 )) s"
 serve_t0=$(date +%s)
 t "$sv" core/tests_serve core/tests/test_import.py

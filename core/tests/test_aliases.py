@@ -183,9 +183,16 @@ def test_prompt_dicts_are_prompts_and_other_dicts_are_refused(fake: Any) -> None
         assert by_dict[0].prompt == "abc" and by_dict[1].prompt_token_ids == ids
         assert llm.generate_async({"prompt_token_ids": ids}, GREEDY).result(timeout=30).outputs[0].token_ids == text.outputs[0].token_ids
         assert [s.outputs[0].token_ids for s in llm.stream({"prompt": "abc"}, GREEDY)][-1] == text.outputs[0].token_ids
-        for bad in ({"prompt_token_ids": ids, "multi_modal_data": {}}, {"text": "abc"}, {}):
+        for bad in ({"text": "abc"}, {}):
             with pytest.raises(RequestError, match="it takes 'prompt' .* or 'prompt_token_ids'"):
                 llm.generate(bad, GREEDY)
+        # images (docs/vision.md): read, then refused by a backend without the vision capability
+        with pytest.raises(RequestError, match=r"multi_modal_data\['image'\] is empty"):
+            llm.generate({"prompt_token_ids": ids, "multi_modal_data": {}}, GREEDY)
+        with pytest.raises(RequestError, match="multi_modal_data 'audio': lmdock reads images only"):
+            llm.generate({"prompt": "abc", "multi_modal_data": {"audio": b"x"}}, GREEDY)
+        with pytest.raises(RequestError, match="backend 'fake' cannot read images"):
+            llm.generate({"prompt": "abc", "multi_modal_data": {"image": b"\x89PNG"}}, GREEDY)
         with pytest.raises(RequestError, match="prompt 1: a prompt dict has 'prompt_ids'"):
             llm.generate([{"prompt": "abc"}, {"prompt_ids": ids}], GREEDY)
 

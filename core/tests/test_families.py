@@ -44,6 +44,9 @@ LLAMA = {"model_type": "llama", "max_position_embeddings": 512, "num_hidden_laye
     ({**MISTRAL, "sliding_window": 512}, set()),  # a window as long as the context is no window
     ({"model_type": "gemma3", "text_config": {**GEMMA2, "model_type": "gemma3_text", "attn_logit_softcapping": None,
                                                "final_logit_softcapping": None}}, {"sliding_window"}),
+    # a vision-language model (LLaVA): its vision tower is a feature of its own
+    ({"model_type": "llava", "vision_config": {"model_type": "clip_vision_model"}, "text_config": {**MISTRAL, "sliding_window": None}},
+     {"vision"}),
 ])
 def test_features_are_read_from_the_config(cfg: dict[str, Any], expected: set[str]) -> None:
     found = config_features(cfg)

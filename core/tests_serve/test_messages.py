@@ -114,7 +114,8 @@ def test_errors_have_anthropics_shape(served: Server) -> None:
     cases = [({"max_tokens": 5, "messages": ASK, "extra_body": {"top_kk": 3}}, "top_kk"),
              ({"max_tokens": 5, "messages": []}, "at least 1"),
              ({"max_tokens": 5, "messages": ASK, "tool_choice": {"type": "any"}}, "'any' needs tools"),
-             ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'image' block"),
+             ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "'document' block"),
+             ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "file"}}]}]}, "'base64'"),
              ({"max_tokens": 5, "messages": ASK, "thinking": {"type": "bogus"}}, "thinking"),
              ({"max_tokens": 5, "messages": ASK, "tools": [{"type": "bash_20250124", "name": "bash"}]}, "client tools only")]
     for kw, words in cases:

@@ -253,14 +253,20 @@ def test_errors_name_the_field_the_client_sent(registry: None, body: dict[str, A
 
 
 def test_an_image_part_is_refused_not_ignored(registry: None) -> None:
+    """On the FAKE backend (no vision capability) an image is a 400 saying so; a part lmdock never
+    reads (audio) is a 400 naming it (docs/vision.md)."""
     llm = fake_llm(JinjaEngine)
     try:
         client = TestClient(create_app([ServedModel("stories", llm, 8)], ServerConfig()), raise_server_exceptions=False)
         parts = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
         r = client.post("/v1/chat/completions", json={"model": "stories", "messages": [{"role": "user", "content": parts}], "max_tokens": 2})
         assert r.status_code == 400, r.text
+        assert "backend 'fake' cannot read images" in r.json()["error"]["message"]
+        parts[1] = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+        r = client.post("/v1/chat/completions", json={"model": "stories", "messages": [{"role": "user", "content": parts}], "max_tokens": 2})
+        assert r.status_code == 400, r.text
         error = r.json()["error"]
-        assert error["param"] == "messages.0.content.1.type" and "'image_url'" in error["message"]
+        assert error["param"] == "messages.0.content.1.type" and "'input_audio'" in error["message"]
     finally:
         llm.shutdown()
 

@@ -146,7 +146,7 @@ def test_what_it_cannot_honour_is_a_400_naming_it(served: Server) -> None:
     c = client(served)
     cases = [
         ({"input": "x", "extra_body": {"max_token": 3}}, "max_token", "did you mean 'max_output_tokens'"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input.0.content.0.type", "input_image"),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input.0.content.0.type", "input_file"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type", "item_reference"),
         ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]}, "input.0.encrypted_content", "encrypted"),
         ({"input": [{"role": "user", "content": "x", "colour": 1}]}, "input.0.colour", "colour"),
@@ -165,6 +165,9 @@ def test_what_it_cannot_honour_is_a_400_naming_it(served: Server) -> None:
             c.responses.create(model="stories", **kw)  # type: ignore[call-overload]
         assert e.value.body["param"] == param, kw  # type: ignore[index]
         assert words in e.value.body["message"], kw  # type: ignore[index]
+    # an image is read (docs/vision.md) and refused for what is wrong with it: never fetched over http
+    with pytest.raises(openai.BadRequestError, match="does not fetch images"):
+        c.responses.create(model="stories", input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}])
 
 
 def test_errors_have_openais_shape(served: Server) -> None:

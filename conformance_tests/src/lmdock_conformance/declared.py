@@ -148,6 +148,8 @@ CHECKS = {
     # model features: stories260K needs none; test_families checks each one per family on the zoo
     # (--lmdock-zoo), where a declared feature must give transformers' tokens
     **dict.fromkeys(("sliding_window", "attention_sinks", "logit_softcapping", "recurrent_state", "moe"), lambda llm: None),
+    # images need a vision-language model: test_vision builds its own and holds each to transformers
+    "vision": lambda llm: None,
 }
 
 

@@ -23,6 +23,7 @@ SPEC = lmdock.backend.BackendSpec(
     supports=frozenset({"generate", "chat", "stream", "sampling", "logit_bias", "logprobs", "prompt_logprobs", "next_token_logprobs", "beam_search", "structured_output",
                         "tools"}),
     lacks={
+        "vision": "the template backend runs text only",
         "embed": "a causal LM only; the template has no pooling head",
         "score": "a causal LM only; the template has no scoring head",
         "quantization": "the reference engine computes in float32 only",

@@ -103,6 +103,7 @@ SPEC = BackendSpec(
                                      "five sliding layers to one full: the family tests' Gemma 3 (sliding, full) runs with its "
                                      "full layer windowed too (log-probabilities off by up to 2.6; greedy tokens differ, from the first on a 40-token prompt)"},
     lacks={
+        "vision": "lmdock-llamacpp does not load llama.cpp's multimodal projector (mmproj) files yet (docs/vision.md)",
         "embed": "lmdock-llamacpp runs causal LMs; llama.cpp's embedding mode is not wired up yet",
         "score": "lmdock-llamacpp runs causal LMs; llama.cpp's reranking mode is not wired up yet",
         "offload": "no OffloadPolicy: llama.cpp maps the file (use_mmap) and places layers with n_gpu_layers",

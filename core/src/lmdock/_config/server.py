@@ -112,6 +112,12 @@ class ServerConfig(Replaceable):
     #: finish reason ``length`` when reached).  ``/v1/messages`` and ``/v1/responses`` always clamp: agent
     #: clients send a large ``max_tokens`` whatever the model's context (as llama.cpp and Ollama clamp).
     max_tokens_past_context: Literal["refuse", "clamp"] = "refuse"
+    #: images in requests (docs/vision.md): at most ``max_images_per_request`` a request, each at most
+    #: ``max_image_pixels`` (read from its header, before decoding); file paths only under ``image_dir``
+    #: (None: none read); http(s) URLs are never fetched
+    max_images_per_request: int = 8
+    max_image_pixels: int = 16_777_216
+    image_dir: str | None = None
     #: each model's engine as this many Ray Serve replicas behind the one server (1: no Ray; ``server/_ray.py``),
     #: or as many as Ray Serve's autoscaler keeps between ``autoscaling``'s min and max; each replica an actor
     #: with ``ray_actor_options`` (``num_cpus`` 1 unless given).  A model's own keys win over these.
@@ -127,6 +133,8 @@ class ServerConfig(Replaceable):
             integer(name, getattr(self, name), 1, optional=False)
         integer("max_logprobs", self.max_logprobs, 0, optional=False)
         integer("max_prompt_chars", self.max_prompt_chars, 1, optional=False)
+        integer("max_images_per_request", self.max_images_per_request, 1, optional=False)
+        integer("max_image_pixels", self.max_image_pixels, 1, optional=False)
         integer("response_store_max_bytes", self.response_store_max_bytes, 0, optional=False)
         integer("response_store_max_items", self.response_store_max_items, 0, optional=False)
         for name in ("max_header_bytes", "max_headers", "max_connections"):

@@ -24,7 +24,8 @@ def chunk_for(seq: Seq | QuerySeq, n: int) -> SeqChunk:
     )
     ahead = seq.argmax_from is not None and start + n == len(seq.token_ids) and seq.num_output >= seq.argmax_from
     lora = req.request.lora_request if req is not None else None
-    return SeqChunk(seq.seq_id, seq.token_ids[start : start + n], start, want_all, ahead, lora)
+    images = req.request.multi_modal if req is not None and start < seq.prompt_len else None  # prefill chunks only
+    return SeqChunk(seq.seq_id, seq.token_ids[start : start + n], start, want_all, ahead, lora, images)
 
 
 def run_step(engine: StepEngine, chunks: list[SeqChunk]) -> Any:

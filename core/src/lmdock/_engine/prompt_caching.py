@@ -130,6 +130,11 @@ class PromptCaching:
 
 
 def adapter_of(seq: Seq) -> Any:
-    """What the sequence's KV state was computed under: its LoRA adapter's key, None for the base model."""
-    lora = seq.req.request.lora_request if seq.req is not None else None
-    return lora.key if lora is not None else None
+    """What the sequence's KV state was computed under besides its tokens: its LoRA adapter's key
+    (None for the base model), and its images' content hashes: a prompt whose image placeholders
+    stand for other images never reuses that KV state."""
+    request = seq.req.request if seq.req is not None else None
+    lora = request.lora_request if request is not None else None
+    key = lora.key if lora is not None else None
+    images = request.multi_modal if request is not None else None
+    return key if images is None else (key, images.key)

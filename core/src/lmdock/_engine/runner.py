@@ -58,7 +58,7 @@ from lmdock._engine.speculative import Speculation
 from lmdock._engine.step_engine import StepEngineBase, as_step_engine
 from lmdock._engine.validate import check_ids, check_request, compile_constraints, load_lora, prepare_lora
 from lmdock._plugin.contract import EngineRequest, OutputSink, SeqChunk
-from lmdock._plugin.errors import BackendError, EngineClosedError, RequestError
+from lmdock._plugin.errors import BackendError, EngineClosedError, RequestError, UnsupportedError
 
 log = logging.getLogger("lmdock.engine")
 
@@ -148,6 +148,14 @@ class StepRunner:
         from a worker thread, so the first use of an adapter (disk reads) never blocks its event loop;
         ``submit`` then finds it loaded.  Raises RequestError as ``submit`` would."""
         load_lora(self.engine, lora)
+
+    def process_multimodal(self, text: str, data: Any, add_special_tokens: bool) -> list[int]:
+        """A prompt with images as the step engine's processor tokenizes it (``lmdock._llm.multimodal``);
+        in the caller's thread, so the image preprocessing never holds up the engine loop."""
+        process = getattr(self.engine, "process_multimodal", None)
+        if process is None:
+            raise UnsupportedError("this step engine cannot read images (it has no process_multimodal); remove the images")
+        return list(process(text, data, add_special_tokens))
 
     def abort(self, request_id: str) -> None:
         self._inbox.post_abort(Abort(request_id))  # dropped while shutting down: that fails it anyway

@@ -13,6 +13,7 @@ from typing import Any
 
 from lmdock._config.sampling import SamplingParams
 from lmdock._llm.lora import LoRARequest
+from lmdock._llm.multimodal import chat_images, processor_adds_special_tokens
 from lmdock._llm.outputs import RequestOutput
 from lmdock._plugin.contract import EngineRequest
 from lmdock._plugin.errors import RequestError
@@ -27,7 +28,10 @@ class ChatCall:
                  add_generation_prompt: bool = True, continue_final_message: bool = False,
                  chat_template_kwargs: dict[str, Any] | None = None, tools: Any = None, tool_choice: Any = None,
                  parallel_tool_calls: bool | None = None, lora_request: LoRARequest | str | None = None) -> None:
-        self.llm, self.messages, self.chat_template = llm, messages, chat_template
+        #: the messages with each image part as ``{"type": "image"}`` (the template's own placeholder),
+        #: and their images in order, undecoded (decoded with the request, under ``llm.image_limits``)
+        self.messages, self.images = chat_images(messages)
+        self.llm, self.chat_template = llm, chat_template
         self.add_generation_prompt, self.continue_final_message = add_generation_prompt, continue_final_message
         self.chat_template_kwargs, self.lora_request = chat_template_kwargs, lora_request
         self.plan = llm.chat_plan(tools, tool_choice, parallel_tool_calls, chat_template, chat_template_kwargs)
@@ -55,11 +59,20 @@ class ChatCall:
                 self.budget_held = True
         return params
 
-    def request(self, params: SamplingParams, *, stream: bool = False) -> EngineRequest:
-        """The engine request (tokenized and checked, as ``LLM.make_request``).  The template writes the
-        special tokens itself (BOS...), so they are not added again."""
-        return self.llm.make_request(self._rendered(), params, stream=stream, add_special_tokens=False,
-                                     lora_request=self.lora_request)
+    def request(self, params: SamplingParams | None = None, *, stream: bool = False) -> EngineRequest:
+        """The engine request (tokenized and checked, as ``LLM.make_request``; with images, run through
+        the model's processor: slow, so a server calls it off its event loop)."""
+        prompt, special = self.engine_prompt()
+        return self.llm.make_request(prompt, params, stream=stream, add_special_tokens=special, lora_request=self.lora_request)
+
+    def engine_prompt(self) -> tuple[str | dict[str, Any], bool]:
+        """The rendered prompt (with the images, vLLM's ``{"prompt", "multi_modal_data"}``) and whether
+        the tokenizer adds its special tokens: the template writes them itself (BOS...), so not for
+        text; with images, as transformers' processors decide (unless the prompt starts with BOS)."""
+        text = self._rendered()
+        if not self.images:
+            return text, False
+        return {"prompt": text, "multi_modal_data": {"image": self.images}}, processor_adds_special_tokens(text, self.llm.tokenizer)
 
     def read(self, out: RequestOutput) -> RequestOutput:
         """``out``'s completions with ``content``, ``reasoning_content`` and ``tool_calls`` read by the plan."""

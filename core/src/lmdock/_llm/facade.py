@@ -14,6 +14,7 @@ from lmdock._llm import lifecycle
 from lmdock._llm.chat import ChatCall, chat_plan, render_chat
 from lmdock._llm.embed import PoolingArg, PoolingCalls
 from lmdock._llm.lora import LoRAArg, lora_per_prompt
+from lmdock._llm.multimodal import PYTHON_LIMITS
 from lmdock._llm.outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
 from lmdock._llm.prompts import Prompt, as_batch, content_as, indexed, token_id_prompts
 from lmdock._llm.requests import ParamsArg, default_params, engine_request, resolve_params, run_batch
@@ -63,6 +64,7 @@ class LLM:
                options: dict[str, Any], load: Callable[[ModelConfig], tuple[RequestEngine, BackendSpec]]) -> None:
         self._engine: RequestEngine | None = None
         self._grammar_check: Any = None
+        self.image_limits = PYTHON_LIMITS  # bounds on prompts' images (lmdock serve sets [server]'s)
         model, options, after = constructor_options(model, options)
         serve_only = [k for k in SERVE_ONLY_KEYS if k in options]
         if serve_only:
@@ -77,8 +79,6 @@ class LLM:
         self.max_model_len = self._engine.max_seq_len
         self._defaults = self._default_params()
         after.apply(self)
-
-    # -- lifecycle ------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
         """Stop the engine and free its memory.  Idempotent."""

@@ -11,8 +11,9 @@ from lmdock._plugin.errors import RequestError
 #: A prompt: text, token ids (TensorRT-LLM style), or vLLM's ``TextPrompt`` / ``TokensPrompt`` dict.
 Prompt = str | Sequence[int] | dict[str, Any]
 
-#: vLLM's prompt dicts: the key each carries its prompt under.  Other keys vLLM's dicts may hold
-#: (multi_modal_data, cache_salt...) ask for what lmdock cannot do, so they are refused, not dropped.
+#: vLLM's prompt dicts: the key each carries its prompt under.  ``multi_modal_data`` (images) is read
+#: by ``lmdock._llm.multimodal``; other keys vLLM's dicts may hold (cache_salt...) ask for what lmdock
+#: cannot do, so they are refused, not dropped.
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
@@ -22,6 +23,8 @@ def as_prompt(prompt: Prompt) -> str | Sequence[int]:
     RequestError naming the keys it may hold: a dict is never read as a sequence of its keys."""
     if not isinstance(prompt, dict):
         return prompt
+    if "multi_modal_data" in prompt:
+        return prompt  # type: ignore[return-value]  # its images are read by LLM._request (lmdock._llm.multimodal)
     other = sorted(set(prompt) - set(PROMPT_KEYS))
     if other or not prompt:
         what = f"has {', '.join(repr(k) for k in other)}" if other else "is empty"
@@ -59,15 +62,15 @@ def indexed_error(i: int, total: int, error: BaseException) -> BaseException:
     return RequestError(f"prompt {i}: {error}")
 
 
-def non_text_part(messages: Sequence[Any]) -> tuple[str, str] | None:
-    """``(where, kind)`` of the first chat content part that is not text (``image_url``,
-    ``input_audio``...), as ``messages[i].content[j]``, or None.  lmdock serves text models: a part
-    the model would never see must be refused, not passed as if it had been read."""
+def non_text_part(messages: Sequence[Any], allowed: Sequence[str] = ("text",)) -> tuple[str, str] | None:
+    """``(where, kind)`` of the first chat content part whose type is not in ``allowed`` (text; the
+    server adds image parts, which lmdock._llm.multimodal reads), as ``messages[i].content[j]``, or None:
+    a part the model would never see (``input_audio``...) must be refused, not passed as if read."""
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         for j, part in enumerate(content if isinstance(content, list) else ()):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            if kind != "text":
+            if kind not in allowed:
                 return f"messages[{i}].content[{j}]", str(kind)
     return None
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from lmdock._config.sampling import EditableSamplingParams, SamplingParams
 from lmdock._config.schema import build, resolve_aliases
 from lmdock._llm.lora import LoRARequest
+from lmdock._llm.multimodal import prepare, split_prompt
 from lmdock._llm.outputs import RequestOutput
 from lmdock._llm.progress import Progress
 from lmdock._llm.prompts import Prompt, as_prompt, indexed, indexed_error, truncated
@@ -67,6 +68,7 @@ def engine_request(llm: Any, prompt: Prompt, params: SamplingParams, stream: boo
                    tokenizer_kwargs: dict[str, Any] | None = None, lora_request: LoRARequest | None = None) -> EngineRequest:
     """``prompt`` tokenized and checked against ``llm``'s backend: a RequestError (UnsupportedError)
     naming the field it cannot honour."""
+    prompt, images = split_prompt(prompt)  # vLLM's {"prompt", "multi_modal_data"}: the images apart
     prompt = as_prompt(prompt)
     backend = llm.backend
     if lora_request is not None:
@@ -76,11 +78,15 @@ def engine_request(llm: Any, prompt: Prompt, params: SamplingParams, stream: boo
                                    "lora_request, or pick a backend that lists lora in `lmdock backends`")
     if llm.tokenizer is None and params.detokenize:  # skip_tokenizer_init: token ids out, no text
         params = params.replace(detokenize=False)
-    if isinstance(prompt, str):
+    multi_modal = None
+    if images is not None:  # decoded under llm.image_limits; the engine's processor expands the placeholders
+        ids, multi_modal = prepare(llm.engine, backend, prompt, images, add_special_tokens, llm.image_limits)
+        text: str | None = prompt
+    elif isinstance(prompt, str):
         if not prompt:
             raise RequestError("the prompt is empty: give at least one token or a non-empty string")
         ids = _encode(llm, prompt, add_special_tokens, tokenizer_kwargs)
-        text: str | None = prompt
+        text = prompt
     elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids, text = list(prompt), None
     else:
@@ -100,7 +106,7 @@ def engine_request(llm: Any, prompt: Prompt, params: SamplingParams, stream: boo
             asked = ", ".join(n for n in ("logit_bias", "allowed_token_ids", "bad_words") if getattr(params, n) not in ({}, None, ()))
             raise RequestError(f"{asked}: backend {backend.name!r} cannot bias or ban tokens ({reason}); remove it, or pick a "
                                "backend that lists logit_bias in `lmdock backends`")
-    return EngineRequest(f"req-{next(_ids)}", text, ids, params, stream, lora_request)
+    return EngineRequest(f"req-{next(_ids)}", text, ids, params, stream, lora_request, multi_modal)
 
 
 def _encode(llm: Any, text: str, add_special_tokens: bool, tokenizer_kwargs: dict[str, Any] | None) -> list[int]:

@@ -222,8 +222,8 @@ def check_messages(messages: Any) -> None:
         raise LineError("invalid_request", "messages must be a non-empty list of message objects")
     found = non_text_part(messages)
     if found is not None:
-        raise LineError("invalid_request", f"{found[0]} is a {found[1]!r} part; lmdock serves text models, which "
-                                           "would not see it: send text parts only")
+        raise LineError("invalid_request", f"{found[0]} is a {found[1]!r} part; batch lines take text parts only "
+                                           "(images go through lmdock serve or LLM.chat: docs/vision.md)")
 
 
 def one_prompt(prompt: Any) -> Any:

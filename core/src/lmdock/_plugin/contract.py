@@ -56,6 +56,7 @@ CAPABILITIES: Mapping[str, str] = {
     "logit_softcapping": "attention and final logit soft-capping (Gemma 2)",
     "recurrent_state": "SSM / convolution layers with a recurrent state (Falcon-H1, Bamba, LFM2, Granite 4 hybrids, Qwen3-Next, Mamba)",
     "moe": "mixture-of-experts layers (Mixtral, Qwen3-MoE, gpt-oss)",
+    "vision": "images in prompts (multi_modal_data, image chat parts) for vision-language models (docs/vision.md)",
 }
 
 
@@ -159,6 +160,9 @@ class SeqChunk:
     #: the adapter this sequence runs under (None: the base model); only engines whose backend
     #: declares ``lora`` see one, and they have had ``prepare_lora`` called for it
     lora: LoRARequest | None = None
+    #: the request's images (``lmdock._llm.multimodal.MultiModalData``, its ``processed`` filled by the
+    #: engine's ``process_multimodal``) on every chunk that holds prompt tokens; None otherwise
+    multi_modal: Any = None
 
 
 @dataclass
@@ -210,7 +214,11 @@ class StepEngine(Protocol):
 
     # Optional members (prepare_lora, thread_exit, fork_truncates, overlap_host_work, truncate,
     # scheduler_limits, max_loras): lmdock.backend.StepEngineBase defines each with its default and
-    # meaning.  ``step``, ``release`` and ``fork`` are called from the engine thread only.
+    # meaning.  ``process_multimodal(text, data, add_special_tokens) -> list[int]`` (a backend that
+    # declares ``vision``) is called in the submitting thread for a prompt with images: it returns the
+    # prompt's token ids with the image placeholders expanded as the model's processor does, and fills
+    # ``data.processed`` (``lmdock._llm.multimodal.MultiModalData``), which prefill chunks then carry.
+    # ``step``, ``release`` and ``fork`` are called from the engine thread only.
 
 
 @dataclass
@@ -224,6 +232,8 @@ class EngineRequest:
     stream: bool = False
     #: the LoRA adapter to run under (None: the base model); only a backend that declares ``lora`` gets one
     lora_request: LoRARequest | None = None
+    #: the prompt's images (``lmdock._llm.multimodal.MultiModalData``); only a backend that declares ``vision`` gets one
+    multi_modal: Any = None
 
 
 class OutputSink(Protocol):

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 #: The model-feature capabilities (each also in lmdock._plugin.contract.CAPABILITIES).
-FEATURES = ("sliding_window", "attention_sinks", "logit_softcapping", "recurrent_state", "moe")
+FEATURES = ("sliding_window", "attention_sinks", "logit_softcapping", "recurrent_state", "moe", "vision")
 
 #: Layer types that are attention of some kind; any other (``mamba``, ``conv``, ``linear_attention``)
 #: carries a recurrent state.
@@ -61,6 +61,8 @@ def config_features(cfg: Mapping[str, Any]) -> ModelFeatures:
                         ("recurrent_state", _recurrent), ("moe", _experts)):
         if detail := probe(text):
             found[name] = detail
+    if isinstance(cfg.get("vision_config"), Mapping):  # an image encoder beside the text model (lmdock._llm.multimodal)
+        found["vision"] = f"a vision encoder ({cfg['vision_config'].get('model_type') or cfg.get('model_type')})"
     return ModelFeatures(str(text.get("model_type") or cfg.get("model_type") or "unknown"), found)
 
 

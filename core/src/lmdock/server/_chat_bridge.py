@@ -10,6 +10,7 @@ from chat renamed into the caller's field names, and server-sent events named by
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -129,6 +130,8 @@ async def prompt_tokens(chat: dict[str, Any], request: Request, names: dict[str,
         sm, call = await serving_chat.render(chat_request(chat), request, thinking)
     except APIError as exc:
         raise renamed(exc, names) from None
+    if call.images:  # as the model's processor expands their placeholders (slow: off the event loop)
+        return len((await asyncio.to_thread(call.request)).prompt_token_ids)
     return len(sm.llm.tokenizer.encode(call.prompt, add_special_tokens=False))
 
 

@@ -36,7 +36,7 @@ async def engine_stream(st: ServerState, sm: ServedModel, make: Callable[[], Eng
     ``[server] max_tokens_past_context`` says); a default is cut at the context."""
     llm = sm.llm
     await llm.acheck_grammar(params)  # in a worker process, off this loop (lmdock._grammar.check)
-    request = make()
+    request = await asyncio.to_thread(make) if getattr(make, "offload", False) else make()
     if max_tokens_field is not None:
         request = _fit(st, llm.max_model_len, request, max_tokens_field, clamp)
     timer = RequestTimer(st.metrics, sm.name)
@@ -49,6 +49,14 @@ async def engine_stream(st: ServerState, sm: ServedModel, make: Callable[[], Eng
             yield out
     finally:
         stream.close()
+
+
+def offloaded(make: Callable[[], EngineRequest], slow: bool) -> Callable[[], EngineRequest]:
+    """``make``, marked to run on a worker thread where ``slow`` (a prompt with images: decoded and run
+    through the model's processor), so the event loop never waits on it."""
+    if slow:
+        make.offload = True  # type: ignore[attr-defined]
+    return make
 
 
 def _fit(st: ServerState, max_model_len: int, request: EngineRequest, field: str, clamp: bool | None) -> EngineRequest:

@@ -23,6 +23,7 @@ _BLOCK_KEYS = {
     "tool_use": frozenset({"type", "id", "name", "input", "cache_control"}),
     "tool_result": frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"}),
     "thinking": frozenset({"type", "thinking", "signature", "cache_control"}),
+    "image": frozenset({"type", "source", "cache_control"}),  # read by lmdock._llm.multimodal (docs/vision.md)
 }
 _TOOL_KEYS = frozenset({"type", "name", "description", "input_schema", "cache_control"})
 
@@ -56,7 +57,7 @@ def _blocks(content: Any, where: str) -> list[tuple[str, dict[str, Any]]]:
         at = f"{where}.{j}"
         kind = kind_field(block, "type", at) if isinstance(block, dict) else type(block).__name__
         if kind not in _BLOCK_KEYS:
-            raise APIError(400, f"{at} is a {kind!r} block; lmdock serves text models: send text, thinking, tool_use "
+            raise APIError(400, f"{at} is a {kind!r} block; lmdock reads text, image, thinking, tool_use "
                                 "and tool_result blocks", param=f"{at}.type")
         refuse_keys(block, _BLOCK_KEYS[kind], at)
         out.append((at, block))
@@ -83,14 +84,28 @@ def _user(content: Any, where: str) -> list[dict[str, Any]]:
             out.append({"role": "tool", "tool_call_id": string_field(block, "tool_use_id", at),
                         "content": f"Error: {result}" if block.get("is_error") else result})
         elif block["type"] == "text":
-            if out and out[-1]["role"] == "user":
-                out[-1]["content"] += "\n" + string_field(block, "text", at)
-            else:
-                out.append({"role": "user", "content": string_field(block, "text", at)})
+            _add_user(out, {"type": "text", "text": string_field(block, "text", at)})
+        elif block["type"] == "image":
+            _add_user(out, {"type": "image", "source": block.get("source")})
         else:
             raise APIError(400, f"{at} is a {block['type']} block in a user message; it belongs to the assistant",
                            param=f"{at}.type")
     return out
+
+
+def _add_user(out: list[dict[str, Any]], part: dict[str, Any]) -> None:
+    """A text or image block into the user message it continues: text alone stays a string (texts
+    joined with newlines); with an image the content is a list of parts, as chat's."""
+    if not out or out[-1]["role"] != "user":
+        out.append({"role": "user", "content": part["text"] if part["type"] == "text" else [part]})
+        return
+    last = out[-1]
+    if isinstance(last["content"], str) and part["type"] == "text":
+        last["content"] += "\n" + part["text"]
+        return
+    if isinstance(last["content"], str):
+        last["content"] = [{"type": "text", "text": last["content"]}]
+    last["content"].append(part)
 
 
 def _assistant(content: Any, where: str) -> dict[str, Any]:

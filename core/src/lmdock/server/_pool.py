@@ -22,6 +22,7 @@ from lmdock._config.model import ModelConfig
 from lmdock._config.server import ServerConfig
 from lmdock._models.pool import ModelPool
 from lmdock._models.pooled import ModelBusyError, PooledModel, PoolFullError
+from lmdock.server import _images as images
 from lmdock.server._errors import APIError
 from lmdock.server._metrics import Metrics
 
@@ -78,6 +79,7 @@ class ServedPool:
     def _loaded(self, sm: PooledModel, seconds: float) -> None:
         assert isinstance(sm, ServedModel)
         sm.root, sm.max_queue = str(sm.llm.model_config.model), queue_limit(self.settings, sm.llm.model_config)
+        sm.llm.image_limits = images.limits(self.settings)  # [server]'s bounds on request images
         self.metrics.model_loads.labels(sm.name).inc()
         self.metrics.model_load_seconds.labels(sm.name).observe(seconds)
 

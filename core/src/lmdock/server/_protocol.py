@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from lmdock._config.foreign import OPENAI_FIELDS
+from lmdock._llm.multimodal import IMAGE_PART_TYPES
 from lmdock._llm.outputs import RequestOutput
 from lmdock._llm.prompts import non_text_part
 from lmdock._models.pooled import keep_alive_seconds
@@ -211,14 +212,14 @@ class ChatRequest(_Sampling):
 
     @model_validator(mode="after")
     def _text_parts_only(self) -> ChatRequest:
-        """Content parts other than text (``image_url``, ``input_audio``...) are refused: the served
-        models read text, and a part they would never see must not pass as if it had been."""
+        """Content parts other than text and images (``input_audio``...) are refused: a part the
+        model would never see must not pass as if it had been (images: lmdock._llm.multimodal)."""
         check_roles(self.messages)
-        found = non_text_part(self.messages)
+        found = non_text_part(self.messages, ("text", *IMAGE_PART_TYPES))
         if found is not None:
             where, kind = found
-            raise APIError(400, f"{where} is a {kind!r} part; lmdock serves text models, which would not see it: "
-                                "send text parts only", param=where.replace("[", ".").replace("]", "") + ".type")
+            raise APIError(400, f"{where} is a {kind!r} part; lmdock reads text and image parts (image_url), and the model "
+                                "would not see it: send text or image parts only", param=where.replace("[", ".").replace("]", "") + ".type")
         return self
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)

@@ -32,6 +32,7 @@ _TEXT_PARTS = {"input_text": frozenset({"type", "text"}), "output_text": frozens
                "refusal": frozenset({"type", "refusal"}), "reasoning_text": frozenset({"type", "text"}),
                "summary_text": frozenset({"type", "text"})}
 _TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
+_IMAGE_KEYS = frozenset({"type", "image_url", "file_id", "detail"})
 _CUSTOM_TOOL_KEYS = frozenset({"type", "name", "description", "format"})
 _NAMESPACE_KEYS = frozenset({"type", "name", "description", "tools"})
 #: a namespaced function's keys about how the hosted API calls it (deferred loading, async calls,
@@ -77,7 +78,22 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     role = _ROLES.get(kind_field(item, "role", where) or "")
     if role is None:
         raise APIError(400, f"{where}.role is {item.get('role')!r}; one of {', '.join(_ROLES)}", param=f"{where}.role")
-    return {"role": role, "content": _text(item.get("content"), f"{where}.content")}
+    return {"role": role, "content": _content(item.get("content"), f"{where}.content")}
+
+
+def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content: its text (:func:`_text`), or, where it holds ``input_image`` parts, chat's
+    list of text and image parts in order (lmdock._llm.multimodal reads the images; docs/vision.md)."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image" for p in content):
+        return _text(content, where)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            refuse_keys(part, _IMAGE_KEYS, f"{where}.{j}")
+            parts.append(part)
+        else:
+            parts.append({"type": "text", "text": _text([part], where)})
+    return parts
 
 
 def _reasoning(item: dict[str, Any], where: str) -> str:
@@ -124,8 +140,8 @@ def _text(content: Any, where: str) -> str:
     for j, part in enumerate(content):
         kind = kind_field(part, "type", f"{where}.{j}") if isinstance(part, dict) else type(part).__name__
         if kind not in _TEXT_PARTS:
-            raise APIError(400, f"{where}.{j} is a {kind!r} part; lmdock serves text models, which would not see it: "
-                                "send input_text parts only", param=f"{where}.{j}.type")
+            raise APIError(400, f"{where}.{j} is a {kind!r} part; the model would not see it: "
+                                "send input_text (or input_image) parts only", param=f"{where}.{j}.type")
         refuse_keys(part, _TEXT_PARTS[kind], f"{where}.{j}")
         texts.append(string_field(part, "refusal" if kind == "refusal" else "text", f"{where}.{j}"))
     return "\n".join(texts)

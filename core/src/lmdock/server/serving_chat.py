@@ -28,7 +28,7 @@ from lmdock._plugin.errors import LmdockError
 from lmdock.server._admission import Admission
 from lmdock.server._advisory import Ignored
 from lmdock.server._disconnects import unless_disconnected
-from lmdock.server._engine_streams import choice_deltas, collect, submit_admitted
+from lmdock.server._engine_streams import choice_deltas, collect, offloaded, submit_admitted
 from lmdock.server._errors import APIError, as_api_error
 from lmdock.server._protocol import ChatRequest, usage
 from lmdock.server._sse import sse_response
@@ -64,7 +64,7 @@ async def start_chat(body: ChatRequest, request: Request, prepare: Prepare | Non
         params = call.constrain(st.sampling_params(sm, body.overrides(), body), thinking_budget)
     except LmdockError as exc:
         raise _tool_error(exc, st.retry_after, sm) from None
-    admission, streams, firsts = await submit_admitted(request, st, sm, [functools.partial(call.request, params, stream=True)], params,
+    admission, streams, firsts = await submit_admitted(request, st, sm, [offloaded(functools.partial(call.request, params, stream=True), bool(call.images))], params,
                                                        max_tokens_field=body.max_tokens_field(), clamp=clamp)
     run = ChatRun(body, request, sm, call.plan, admission, streams, firsts, st.retry_after, params.n)
     run.budget_held = call.budget_held

@@ -127,7 +127,8 @@ def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.
         mask = _mask_for(query, key, attention_mask, sliding_window or 0)
     if softcap or s_aux is not None:
         return _eager(query, key, value, _causal(query, key, mask), scaling, softcap, s_aux), None
-    causal = mask is None and query.shape[2] > 1
+    # a module that is not causal (a vision tower's encoder layers) sees all its keys
+    causal = mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, is_causal=causal, scale=scaling,
         enable_gqa=key.shape[1] != query.shape[1],

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from lmdock import BackendError, ConfigError, ModelConfig
+from lmdock import BackendError, ConfigError, ModelConfig, RequestError
 from lmdock.backend import SeqChunk, StepEngineBase, StepOutput, read_model_json
 
 from lmdock_hf._attention import ATTENTION, positions, register, row_mask
@@ -56,13 +56,17 @@ class HFStepEngine(StepEngineBase):
         #: rejected drafts can be cut out (speculative decoding): not from a recurrent state, nor from a
         #: sliding layer's ring, whose drafts overwrote positions its window still needs
         self.truncates = self.fork_truncates and not self.kv_windows
+        #: a vision-language model's image side (``lmdock_hf._vision``), or None for a text model
+        self.vision: Any = None
 
     # -- loading --------------------------------------------------------------------------------
 
     @classmethod
     def load(cls, mc: ModelConfig, options: Any, build: dict[str, Any], quantization: dict[str, Any] | None = None) -> HFStepEngine:
         """``quantization``: what ``lmdock_hf._quant.plan`` returned, or None."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+        from lmdock_hf import _vision
 
         if options.num_threads:
             torch.set_num_threads(options.num_threads)
@@ -72,7 +76,8 @@ class HFStepEngine(StepEngineBase):
         kwargs["low_cpu_mem_usage"] = options.low_cpu_mem_usage
         try:
             tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer or mc.model, trust_remote_code=mc.trust_remote_code, revision=mc.revision)
-            model = _load_model(AutoModelForCausalLM, mc.model, options.attn_implementation, kwargs)
+            vlm = _vision.is_vision_config(_config(mc))
+            model = _load_model(AutoModelForImageTextToText if vlm else AutoModelForCausalLM, mc.model, options.attn_implementation, kwargs)
         except (OSError, ValueError) as exc:
             raise BackendError(
                 f"lmdock-hf could not load {mc.model!r}: {exc}. Pass a local folder, or a hub id that is "
@@ -80,6 +85,8 @@ class HFStepEngine(StepEngineBase):
             ) from exc
         attn = model.config._attn_implementation
         check(inspect(model.config), mc.model, "auto" if attn == ATTENTION else attn)
+        if vlm:
+            _vision.check_family(model.config, mc.model)
         model.to(device).eval()
         model.requires_grad_(False)
         if quantization:
@@ -88,8 +95,18 @@ class HFStepEngine(StepEngineBase):
             apply(model, quantization)
         limit = _context_length(model, tokenizer)
         max_seq_len = min(build["max_seq_len"], limit) if build.get("max_seq_len") else limit
-        return cls(model, tokenizer, device, max_seq_len, build.get("kv_max_tokens"), read_model_json(mc.model, "generation_config.json"),
-                   lora_limits(build))
+        engine = cls(model, tokenizer, device, max_seq_len, build.get("kv_max_tokens"), read_model_json(mc.model, "generation_config.json"),
+                     lora_limits(build))
+        if vlm:
+            engine.vision = _vision.load(model, mc)
+        return engine
+
+    def process_multimodal(self, text: str, data: Any, add_special_tokens: bool) -> list[int]:
+        """A prompt with images through the model's processor (``lmdock_hf._vision``)."""
+        if self.vision is None:
+            raise RequestError(f"the prompt has {len(data.images)} image(s), and this model has no vision encoder: "
+                               "serve a vision-language model to read images, or remove them")
+        return self.vision.process(text, data, add_special_tokens)
 
     # -- the step-engine contract (StepEngineBase: prepare_lora and max_loras from ``adapters``) -------
 
@@ -103,7 +120,7 @@ class HFStepEngine(StepEngineBase):
         # on the model's device: the sampler (lmdock_hf._sampler) takes what it needs from there
         last = torch.empty((len(chunks), self.vocab_size), dtype=torch.float32, device=self.device)
         full: dict[int, np.ndarray] = {}
-        decode = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1 and not c.all_logits]
+        decode = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1 and not c.all_logits and c.multi_modal is None]
         decode.sort(key=lambda i: cache.slot_of[chunks[i].seq_id])
         if decode:
             last[decode] = self._forward([chunks[i] for i in decode], all_logits=False)
@@ -151,13 +168,15 @@ class HFStepEngine(StepEngineBase):
         kv_len = max(starts) + width
         view = BatchView(self.cache, [self.cache.slot_of[c.seq_id] for c in chunks], starts, width, kv_len)
         ids = torch.tensor([list(c.token_ids) for c in chunks], device=self.device)
+        # a prompt's chunk with images: its embeddings, image features in place of image tokens
+        text = {"input_ids": ids} if chunks[0].multi_modal is None else {"inputs_embeds": self.vision.embeds(chunks[0], ids)}
         pos = view.start_t[:, None] + torch.arange(width, device=self.device)[None, :]
         if self.adapters:  # LoRA: which rows of this forward run under which adapter
             self.adapters.select([c.lora for c in chunks])
         try:
             with positions(pos):
                 out = self.model(
-                    input_ids=ids,
+                    **text,
                     attention_mask=self._mask(pos, kv_len, starts, width),
                     position_ids=pos,
                     use_cache=True,
@@ -232,6 +251,13 @@ def _load_model(auto: Any, model: str, attn: str, kwargs: dict[str, Any]) -> Any
         return auto.from_pretrained(model, attn_implementation=ATTENTION, **kwargs)
     except (ValueError, ImportError):  # a model that does not take pluggable attention
         return auto.from_pretrained(model, **kwargs)
+
+
+def _config(mc: ModelConfig) -> Any:
+    """The model's config, to pick the auto class (a vision-language model is no causal LM to transformers)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(mc.model, trust_remote_code=mc.trust_remote_code, revision=mc.revision)
 
 
 def _device(name: str) -> torch.device:

@@ -123,6 +123,9 @@ class OffloadStepEngine(HFStepEngine):
             config = AutoConfig.from_pretrained(mc.model, trust_remote_code=mc.trust_remote_code, revision=mc.revision)
         except (OSError, ValueError) as exc:
             raise BackendError(f"lmdock-hf could not load {mc.model!r}: {exc}") from exc
+        if getattr(config, "vision_config", None) is not None:
+            raise UnsupportedError(f"{mc.model!r} is a vision-language model; [offload] streams a causal decoder stack only: "
+                                   "remove [offload] for it (docs/vision.md)")
         if dtype == "auto":
             dtype = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None) or torch.float16
             dtype = TORCH_DTYPES.get(str(dtype).removeprefix("torch."), torch.float16) if not isinstance(dtype, torch.dtype) else dtype

@@ -47,6 +47,7 @@ SPEC = BackendSpec(
                                  "or gate_proj.weight); transformers 5 writes experts.gate_up_proj / down_proj tensors in another "
                                  "layout, which it cannot load"},
     lacks={
+        "vision": "mlx-lm runs text models only; mlx-vlm's vision models do not fit the step-engine contract here yet (docs/vision.md)",
         "embed": "mlx-lm serves causal LMs",
         "score": "mlx-lm serves causal LMs",
         "offload": "MLX keeps weights in unified memory",

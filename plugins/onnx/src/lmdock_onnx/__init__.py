@@ -81,6 +81,7 @@ SPEC = BackendSpec(
                         # (docs/backends/onnx.md); what lmdock-conformance's family tests found: docs/model-families.md
                         "sliding_window", "attention_sinks", "moe"}),
     lacks={
+        "vision": "the ONNX export covers the text decoder only; no vision encoder is exported or run (docs/vision.md)",
         "offload": "ONNX Runtime holds the whole graph in one session; no OffloadPolicy",
         "lora": "not wired yet: onnxruntime-genai's Multi-LoRA adapters are not passed through (issue 33)",
         "recurrent_state": "the export's KV wrapper holds attention caches only: hybrid SSM / conv models fail with "

@@ -51,6 +51,7 @@ SPEC = BackendSpec(
     plugin_api="1.0",
     supports=frozenset({"generate", "stream", "sampling", "logit_bias", "logprobs", "prompt_logprobs", "beam_search", "structured_output", "quantization"}),
     lacks={
+        "vision": "lmdock-trtllm does not pass images to TensorRT-LLM's multimodal inputs yet (docs/vision.md)",
         "tools": "chat is not wired yet, so neither are tool calls",
         "chat": "not wired yet: TensorRT-LLM's tokenizer has apply_chat_template, lmdock-trtllm does not call it yet",
         "next_token_logprobs": "TensorRT-LLM schedules for itself; no per-prefix logprob queries",

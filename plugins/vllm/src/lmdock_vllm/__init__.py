@@ -85,6 +85,7 @@ SPEC = BackendSpec(
          "sliding_window", "attention_sinks", "logit_softcapping", "moe"}
     ),
     lacks={
+        "vision": "lmdock-vllm does not pass images to vLLM's multi_modal_data yet; use lmdock-hf (docs/vision.md)",
         "offload": "no portable mapping: pass backends.vllm.engine_args = {cpu_offload_gb = N} for vLLM's weight offload to RAM",
         "recurrent_state": "vLLM 0.32 does not start on the hybrid checkpoints transformers 5 writes: bamba's 'linear_attention' "
                            "layers go to its Transformers fallback, which cannot run them, and its LFM2 reads conv_dim, no longer written "

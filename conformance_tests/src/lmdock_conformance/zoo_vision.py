@@ -1,0 +1,118 @@
+"""Tiny random-weight vision-language checkpoints, and test images, for the vision conformance tests.
+
+Each builder makes a transformers model from its config with a fixed seed (weights widened as
+:func:`lmdock_conformance.zoo.random_model` does, so greedy choices are not near-ties) and saves it
+with a processor made offline: the image processor from its class with explicit sizes, the
+tokenizer from stories260K's files with the family's image token added.  Nothing is downloaded.
+
+Images are drawn from a seeded NumPy array (:func:`seeded_image`).  Imports torch, transformers and
+PIL inside the functions only.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+SEED = 43
+#: stories260K's vocabulary; the image token is appended after it
+VOCAB = 512
+#: a chat template that renders transformers' {"type": "image"} parts as the family's placeholder
+_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
+             "{% for p in m['content'] %}{% if p['type'] == 'image' %}{{ '<image>' }}{% else %}{{ p['text'] }}{% endif %}"
+             "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+_TEXT = {"vocab_size": VOCAB + 1, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "head_dim": 32, "max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2,
+         "pad_token_id": 0, "tie_word_embeddings": False}
+#: families the builders make, and the transformers model_type of each
+FAMILIES = {"llava": "llava", "idefics3": "idefics3"}
+
+
+def seeded_image(seed: int, size: tuple[int, int] = (40, 30)) -> Any:
+    """An RGB PIL image of ``size`` (width, height) from a seeded array."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB")
+
+
+def build(family: str, target: str | Path, tokenizer: str | Path | None = None, **sizes: Any) -> Path:
+    """Build ``family``'s checkpoint and processor into ``target``; returns it.  ``sizes`` (LLaVA
+    only, for benchmarks): ``text`` and ``vision`` config overrides, ``image_size`` in pixels."""
+    target = Path(target)
+    tok = _tokenizer(Path(tokenizer or Path(os.environ.get("LMDOCK_MODELS", "../shared/models")) / "stories260K"))
+    model, processor = {"llava": _llava, "idefics3": _idefics3}[family](tok, **sizes)
+    model.save_pretrained(target)
+    processor.save_pretrained(target)
+    tok.save_pretrained(target)
+    (target / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}')
+    return target
+
+
+def _tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tok.chat_template = _TEMPLATE
+    assert tok.convert_tokens_to_ids("<image>") == VOCAB  # noqa: S101 - the config's image_token_id
+    return tok
+
+
+def _widen(model: Any) -> Any:
+    """Weights re-drawn from the seed: 2-D std 0.15 (embeddings 1.0), as the text zoo does; the
+    output rows of stories260K's 256 byte-fallback tokens (ids 3-258) zeroed, so greedy output is
+    whole characters and a server's text can be compared with the reference's decoded text."""
+    import torch
+
+    gen = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if param.ndim >= 2:
+                std = 1.0 if "embed_tokens" in name else 0.15
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
+        model.lm_head.weight[3:259] = 0.0
+    return model.eval()
+
+
+def _llava(tok: Any, text: dict[str, Any] | None = None, vision: dict[str, Any] | None = None, image_size: int = 28) -> tuple[Any, Any]:
+    """LLaVA: a CLIP vision tower (28x28 pixels, 14-pixel patches: 4 features an image), a projector, Llama."""
+    import torch
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    tower = CLIPVisionConfig(**{"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                                "image_size": image_size, "patch_size": 14, "projection_dim": 32, **(vision or {})})
+    cfg = LlavaConfig(vision_config=tower, text_config=LlamaConfig(**{**_TEXT, **(text or {})}), image_token_id=VOCAB, vision_feature_layer=-1,
+                      vision_feature_select_strategy="default", projector_hidden_act="gelu")
+    torch.manual_seed(SEED)
+    model = _widen(LlavaForConditionalGeneration(cfg))
+    images = CLIPImageProcessor(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size})
+    processor = LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
+                               num_additional_image_tokens=1, chat_template=_TEMPLATE, image_token="<image>")
+    return model, processor
+
+
+def _idefics3(tok: Any) -> tuple[Any, Any]:
+    """Idefics3 (SmolVLM's architecture): a SigLIP-style tower over 28-pixel tiles, pixel shuffle, Llama."""
+    import torch
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessor, Idefics3Processor
+
+    tok.add_special_tokens({"additional_special_tokens": ["<image>", "<fake_token_around_image>", "<global-img>"]})
+    text = {**_TEXT, "vocab_size": len(tok)}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 28,
+              "patch_size": 14}
+    cfg = Idefics3Config(vision_config=vision, text_config=text, image_token_id=VOCAB, scale_factor=2)
+    torch.manual_seed(SEED)
+    model = _widen(Idefics3ForConditionalGeneration(cfg))
+    images = Idefics3ImageProcessor(size={"longest_edge": 56}, max_image_size={"longest_edge": 28}, do_image_splitting=True)
+    processor = Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=1, chat_template=_TEMPLATE)
+    return model, processor

@@ -1,0 +1,151 @@
+"""Images into a transformers vision-language model, over lmdock-hf's slot cache.
+
+The model's own processor (``AutoProcessor``) turns a prompt and its images into token ids, with
+each image placeholder expanded to as many image tokens as the vision tower gives features, and
+pixel tensors.  At prefill, the vision tower runs once per request's images (the features are kept
+by the images' content hashes, so a second turn over the same images does not run it again); each
+prefill chunk takes the token embeddings of its ids and puts the image features where its image
+tokens are, as the model's own forward does with ``masked_scatter``.  The text side then runs as
+any prompt: slot cache, chunked prefill, continuous batching.
+
+Only families whose positions and attention are those of a text prompt are run: LLaVA (CLIP tower,
+image features in place of ``<image>`` tokens) and Idefics3 / SmolVLM.  Others are refused at
+load with the reason (:data:`REFUSED`), never run with other tokens than transformers gives.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from lmdock import BackendError, RequestError, UnsupportedError
+
+#: Vision-language families run exactly (their conformance tests hold them to transformers' generate).
+SUPPORTED = {"llava", "idefics3", "smolvlm"}
+#: Families refused at load, with why.
+REFUSED = {
+    "qwen2_vl": "Qwen2-VL places image tokens with multimodal rotary positions (3-D mrope position ids), which lmdock-hf's "
+                "per-row 1-D positions do not carry yet",
+    "qwen2_5_vl": "Qwen2.5-VL places image tokens with multimodal rotary positions (3-D mrope position ids), which lmdock-hf's "
+                  "per-row 1-D positions do not carry yet",
+    "gemma3": "Gemma 3 attends bidirectionally within each image's tokens, which lmdock-hf's causal slot-cache mask does not do yet",
+}
+#: Processor outputs that are the text side (the engine feeds token ids itself).
+_TEXT_KEYS = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"}
+#: Encoded images kept for later turns (each entry: one request's images, [tokens, hidden]).
+_CACHED = 32
+
+
+def is_vision_config(config: Any) -> bool:
+    return getattr(config, "vision_config", None) is not None
+
+
+def check_family(config: Any, model: str) -> None:
+    """Refuse at load a vision-language family lmdock-hf would run differently from transformers."""
+    family = str(config.model_type)
+    if family in SUPPORTED:
+        return
+    reason = REFUSED.get(family, f"its image inputs are not checked against transformers in lmdock-hf (it runs "
+                                 f"{', '.join(sorted(SUPPORTED))})")
+    raise UnsupportedError(f"{model!r} ({family}) is a vision-language model lmdock-hf cannot run exactly: {reason}. "
+                           "Use lmdock-vllm for it, or a supported family (docs/vision.md)")
+
+
+class Vision:
+    """A loaded vision-language model's image side: its processor and the encoded-image cache."""
+
+    def __init__(self, model: Any, processor: Any) -> None:
+        cfg = model.config
+        token = getattr(cfg, "image_token_id", None)
+        self.image_token_id = int(token if token is not None else cfg.image_token_index)
+        self.processor = processor
+        self.model = model
+        self.features: OrderedDict[tuple[str, ...], torch.Tensor] = OrderedDict()
+        #: how many times the vision tower ran (a request's images at once), for stats and tests
+        self.encodes = 0
+        # transformers 4.x returns the features themselves and takes no return_dict (a TypeError there)
+        self._returns_dict = _is_v5()
+
+    # -- in the submitting thread --------------------------------------------------------------------
+
+    def process(self, text: str, data: Any, add_special_tokens: bool) -> list[int]:
+        """The prompt's ids with each placeholder expanded, as the model's processor makes them;
+        ``data.processed`` gets the pixel tensors and where the image tokens are."""
+        placeholders = text.count(self._placeholder())
+        if placeholders != len(data.images):
+            raise RequestError(f"the prompt has {placeholders} image placeholder(s) {self._placeholder()!r} and {len(data.images)} "
+                               "image(s): put one placeholder where each image goes (chat does it through the template)")
+        try:
+            out = self.processor(text=[text], images=data.images, return_tensors="pt", add_special_tokens=add_special_tokens)
+        except (ValueError, TypeError) as exc:
+            raise RequestError(f"the model's processor refused the images: {exc}") from None
+        ids = out["input_ids"][0]
+        data.processed = {k: v for k, v in out.items() if k not in _TEXT_KEYS}
+        data.processed["image_positions"] = (ids == self.image_token_id).nonzero().flatten()
+        return ids.tolist()
+
+    def _placeholder(self) -> str:
+        token = getattr(self.processor, "image_token", None)
+        return str(token) if token else str(self.processor.tokenizer.convert_ids_to_tokens(self.image_token_id))
+
+    # -- in the engine thread ----------------------------------------------------------------------
+
+    def embeds(self, chunk: Any, ids: torch.Tensor) -> torch.Tensor:
+        """``[1, width, hidden]``: the chunk's token embeddings, image features where its image tokens are."""
+        embeds = self.model.get_input_embeddings()(ids)
+        here = ids[0] == self.image_token_id
+        if not bool(here.any()):
+            return embeds
+        data = chunk.multi_modal
+        features = self._encoded(data)
+        before = int((data.processed["image_positions"] < chunk.start).sum())
+        rows = features[before : before + int(here.sum())].to(embeds.dtype)
+        embeds = embeds.clone()
+        embeds[0, here] = rows
+        return embeds
+
+    def _encoded(self, data: Any) -> torch.Tensor:
+        """All the request's image features, ``[image tokens, hidden]``, from the cache or the tower."""
+        found = self.features.get(data.key)
+        if found is not None:
+            self.features.move_to_end(data.key)
+            return found
+        inputs = {k: _on(v, self.model) for k, v in data.processed.items() if k != "image_positions"}
+        if self._returns_dict:  # transformers 5: a ModelOutput whose pooler_output holds the features
+            inputs["return_dict"] = True
+        out = self.model.get_image_features(**inputs)
+        feats = getattr(out, "pooler_output", out)
+        feats = torch.cat([f.reshape(-1, f.shape[-1]) for f in feats]) if isinstance(feats, (list, tuple)) else feats.reshape(-1, feats.shape[-1])
+        want = len(data.processed["image_positions"])
+        if feats.shape[0] != want:
+            raise BackendError(f"the vision tower gave {feats.shape[0]} image features for {want} image tokens")
+        self.encodes += 1
+        self.features[data.key] = feats
+        while len(self.features) > _CACHED:
+            self.features.popitem(last=False)
+        return feats
+
+
+def _is_v5() -> bool:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0]) >= 5
+
+
+def _on(value: Any, model: Any) -> Any:
+    """A processor tensor on the model's device; floating pixels in the model's dtype."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value.to(model.device)
+    return value.to(model.dtype) if value.is_floating_point() else value
+
+
+def load(model: Any, mc: Any) -> Vision:
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(mc.tokenizer or mc.model, trust_remote_code=mc.trust_remote_code, revision=mc.revision)
+    except (OSError, ValueError) as exc:
+        raise BackendError(f"lmdock-hf could not load the image processor of {mc.model!r}: {exc}") from exc
+    return Vision(model, processor)

@@ -1,0 +1,115 @@
+"""lmdock-hf's image side beyond the conformance suite's exact tokens (lmdock_conformance.test_vision):
+a second turn over the same image runs the vision tower once, families it cannot run exactly are
+refused at load with why, and bad images are refused from the header with nothing held afterwards."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import struct
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lmdock import LLM, RequestError, UnsupportedError
+from lmdock._llm.multimodal import ImageLimits, load_image
+from lmdock_conformance.zoo_vision import build, seeded_image
+
+GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+TEXT = {"vocab_size": 520, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 32, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    with LLM(str(build("llava", tmp_path_factory.mktemp("llava"))), backend="hf") as llm:
+        yield llm
+
+
+def test_second_turn_reuses_the_encoded_image(llava: Any) -> None:
+    """The same image in a longer second-turn prompt: the vision tower does not run again, and the
+    prompt's first turn comes from the prefix cache (keyed by the image's hash)."""
+    image = seeded_image(21)
+    vision = llava.engine.engine.vision
+    first = llava.generate({"prompt": "Once upon a time <image> there", "multi_modal_data": {"image": image}}, GREEDY)[0]
+    runs = vision.encodes
+    second = llava.generate({"prompt": "Once upon a time <image> there was a girl", "multi_modal_data": {"image": image}}, GREEDY)[0]
+    assert vision.encodes == runs
+    assert second.num_cached_tokens > 0 and first.outputs[0].token_ids
+    llava.generate({"prompt": "Once upon a time <image> there", "multi_modal_data": {"image": seeded_image(22)}}, GREEDY)
+    assert vision.encodes == runs + 1  # another image is encoded
+
+
+def test_a_text_model_given_an_image_is_refused(llm: Any) -> None:
+    with pytest.raises(RequestError, match="no vision encoder"):
+        llm.generate({"prompt": "Once upon a time", "multi_modal_data": {"image": seeded_image(1)}}, GREEDY)
+
+
+def test_token_id_prompts_cannot_carry_images(llava: Any) -> None:
+    with pytest.raises(RequestError, match="must be text"):
+        llava.generate({"prompt_token_ids": [1, 403, 512], "multi_modal_data": {"image": seeded_image(1)}}, GREEDY)
+
+
+def _save_with_tokenizer(model: Any, target: Path, stories: str) -> str:
+    model.save_pretrained(target)
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(stories) / name).is_file():
+            shutil.copy(Path(stories) / name, target / name)
+    return str(target)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "gemma3"])
+def test_families_it_cannot_run_exactly_are_refused_at_load(family: str, stories: str, tmp_path: Path) -> None:
+    import transformers
+
+    if family == "qwen2_vl":
+        cfg = transformers.Qwen2VLConfig(text_config={**TEXT, "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]}},
+                                         vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2})
+        model, why = transformers.Qwen2VLForConditionalGeneration(cfg), "multimodal rotary positions"
+    else:
+        cfg = transformers.Gemma3Config(text_config=TEXT, mm_tokens_per_image=4, vision_config={
+            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14})
+        model, why = transformers.Gemma3ForConditionalGeneration(cfg), "bidirectionally"
+    path = _save_with_tokenizer(model, tmp_path / family, stories)
+    with pytest.raises(UnsupportedError, match=why):
+        LLM(path, backend="hf")
+
+
+def _png_header(width: int, height: int) -> bytes:
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + chunk(b"IEND", b"")
+
+
+def test_pixel_bound_is_read_from_the_header() -> None:
+    """A 100x100 PNG header over a 5000-pixel bound is refused before decoding (its data is absent:
+    decoding would fail differently)."""
+    with pytest.raises(RequestError, match="100x100 = 10000 pixels, over the bound of 5000"):
+        load_image(_png_header(100, 100), "img", ImageLimits(max_pixels=5000))
+    with pytest.raises(RequestError, match="corrupt"):
+        load_image(_png_header(10, 10), "img", ImageLimits(max_pixels=5000))
+
+
+def test_paths_only_under_image_dir(tmp_path: Path) -> None:
+    buf = io.BytesIO()
+    seeded_image(3).save(buf, format="PNG")
+    inside = tmp_path / "ok" / "a.png"
+    inside.parent.mkdir()
+    inside.write_bytes(buf.getvalue())
+    (tmp_path / "b.png").write_bytes(buf.getvalue())
+    limits = ImageLimits(image_dir=str(inside.parent))
+    assert load_image(str(inside), "img", limits).size == (40, 30)
+    with pytest.raises(RequestError, match="not under the server's image_dir"):
+        load_image(str(inside.parent / ".." / "b.png"), "img", limits)
+    with pytest.raises(RequestError, match="reads no image files"):
+        load_image(str(inside), "img", ImageLimits(allow_paths=False))
+
+
+def test_too_many_images() -> None:
+    from lmdock._llm.multimodal import multimodal_data
+
+    with pytest.raises(RequestError, match="3 images in one request; this server takes at most 2"):
+        multimodal_data([seeded_image(i) for i in range(3)], "img", ImageLimits(max_images=2))
