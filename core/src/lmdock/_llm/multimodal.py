@@ -7,8 +7,8 @@ each one into an RGB PIL image after checking its size from the file header (a d
 is refused before its pixels are decoded), and hashes its pixels: the hash keys the engine's
 encoded-image cache and the prefix cache, so a prompt with another image never reuses KV state.
 
-:class:`MultiModalData` rides on the :class:`~lmdock._contract.EngineRequest` and, for a step
-engine, on every prefill :class:`~lmdock._contract.SeqChunk` of the request's sequences.  The
+:class:`MultiModalData` rides on the :class:`~lmdock._plugin.contract.EngineRequest` and, for a step
+engine, on every prefill :class:`~lmdock._plugin.contract.SeqChunk` of the request's sequences.  The
 step engine's ``process_multimodal`` (called once, in the submitting thread) expands the prompt's
 image placeholders as the model's processor does and stores the processor's outputs
 (``pixel_values``...) in ``processed``; docs/authoring-backends.md has the contract.
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmdock._errors import RequestError
+from lmdock._plugin.errors import RequestError
 
 #: Chat content part types that carry an image (OpenAI chat, Responses, Anthropic, transformers).
 IMAGE_PART_TYPES = ("image_url", "input_image", "image")
