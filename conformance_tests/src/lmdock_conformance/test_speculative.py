@@ -46,7 +46,11 @@ def test_greedy_tokens_equal_speculation_off(spec_llm: Any, llm: Any) -> None:
 
 def test_seeded_sampling_is_reproducible_with_speculation(spec_llm: Any) -> None:
     params = SamplingParams(temperature=0.8, seed=1234, max_new_tokens=30, ignore_eos=True)
-    first = [o.outputs[0].token_ids for o in spec_llm.generate(EDIT, params)]
+    try:
+        first = [o.outputs[0].token_ids for o in spec_llm.generate(EDIT, params)]
+    except LmdockError as exc:  # an engine whose speculation cannot reproduce seeds refuses them, saying so
+        assert "seed" in str(exc) and "specul" in str(exc), f"a refusal must name seed and speculation: {exc}"
+        pytest.skip(f"backend refuses seeded sampling with speculation: {exc}")
     assert first == [o.outputs[0].token_ids for o in spec_llm.generate(EDIT, params)]
 
 

