@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from lmdock import LLM, SamplingParams, StructuredOutput
+from lmdock import LLM, SamplingParams, StructuredOutput, UnsupportedError
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "disable_by_batch_size": None}
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
@@ -98,6 +98,12 @@ def test_a_recurrent_model_runs_without_speculation_and_says_why(stories: str, t
     path = next((p for p in built if p is not None), None)
     if path is None:
         pytest.fail("this transformers knows none of lfm2, bamba, falcon_h1")
+    from transformers.cache_utils import Cache
+
+    if not hasattr(Cache, "update_conv_state"):  # transformers 4: lmdock-hf refuses hybrids at load, saying so
+        with pytest.raises(UnsupportedError, match=r"recurrent \(SSM / conv\) layers.*upgrade transformers"):
+            LLM(str(path), backend="hf", speculative_config=NGRAM)
+        return
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     with LLM(str(path), backend="hf") as off:
         ref = tokens(off, [EDIT], params)
