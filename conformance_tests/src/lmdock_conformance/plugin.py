@@ -49,22 +49,22 @@ def pytest_configure(config: pytest.Config) -> None:
         _options(config)  # a mistake in the options stops the run before any test
 
 
-def _options(config: pytest.Config) -> dict[str, Any]:
-    raw = config.getoption("--lmdock-options") or "{}"
+def _json_object(raw: str, flag: str, what: str) -> dict[str, Any]:
+    """A JSON object given on the command line, or the usage error naming ``flag``."""
     try:
-        options = json.loads(raw)
+        value = json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise pytest.UsageError(f"--lmdock-options is not valid JSON: {exc}") from None
-    if not isinstance(options, dict):
-        raise pytest.UsageError(f"--lmdock-options must be a JSON object of LLM(...) options, not {raw!r}")
+        raise pytest.UsageError(f"{flag} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise pytest.UsageError(f"{flag} must be a JSON object ({what}), not {raw!r}")
+    return value
+
+
+def _options(config: pytest.Config) -> dict[str, Any]:
+    options = _json_object(config.getoption("--lmdock-options") or "{}", "--lmdock-options", "of LLM(...) options")
     spec = config.getoption("--lmdock-speculative", default=None)
     if spec:
-        try:
-            value = json.loads(spec)
-        except json.JSONDecodeError as exc:
-            raise pytest.UsageError(f"--lmdock-speculative is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise pytest.UsageError(f"--lmdock-speculative must be a JSON object (a speculative_config), not {spec!r}")
+        value = _json_object(spec, "--lmdock-speculative", "a speculative_config")
         if value.get("model") == "@target":
             value["model"] = config.getoption("--lmdock-model")
         # every step's rows speculate, however many: the suite's batches run the verify paths too
