@@ -39,10 +39,10 @@ def _family(zoo: Path, stories: str, family: str) -> Path:
 
 
 def _states_api() -> bool:
-    """transformers 5's linear-attention Cache API, through which lmdock-hf keeps hybrids' state."""
-    from transformers.cache_utils import Cache
+    """transformers' linear-attention Cache API (5.21+), through which lmdock-hf keeps hybrids' state."""
+    from lmdock_hf._family import states_api
 
-    return hasattr(Cache, "update_conv_state")
+    return states_api()
 
 
 #: the families the installed transformers has (older releases lack the newer ones)

@@ -67,14 +67,22 @@ def check(family: Family, model: str, attn: str) -> None:
             f"{model!r} ({family.name}) has sliding-window attention layers, which lmdock-hf applies in its own "
             f"attention function; attn_implementation={attn!r} would attend past the window. Use attn_implementation = \"auto\""
         )
-    if family.recurrent:
-        from transformers.cache_utils import Cache
+    if family.recurrent and not states_api():
+        import transformers
 
-        if not hasattr(Cache, "update_conv_state"):
-            import transformers
+        raise UnsupportedError(
+            f"{model!r} ({family.name}) has recurrent (SSM / conv) layers; lmdock-hf keeps their state per sequence "
+            f"through transformers' linear-attention Cache API (get_conv_state, get_recurrent_state: 5.21 and later), "
+            f"and the hybrid models of transformers {transformers.__version__} read their states from the cache's layers "
+            "directly instead: upgrade transformers (pip install -U 'transformers>=5.21')"
+        )
 
-            raise UnsupportedError(
-                f"{model!r} ({family.name}) has recurrent (SSM / conv) layers; lmdock-hf keeps their state per sequence "
-                f"through the linear-attention Cache API of transformers 5, which transformers {transformers.__version__} "
-                "lacks: upgrade transformers (pip install -U transformers)"
-            )
+
+def states_api() -> bool:
+    """Whether the installed transformers' hybrid models read conv / recurrent states only through the
+    Cache API that ``BatchView`` implements.  Before 5.21 (4.x, and 5.x up to 5.20) the models reach into
+    ``cache_params.layers[i].conv_states`` themselves, which a per-slot view cannot serve (an IndexError at
+    the first decode step on transformers 5.17 on a GPU machine, 2026-11-27)."""
+    from transformers.cache_utils import Cache
+
+    return hasattr(Cache, "get_conv_state")
