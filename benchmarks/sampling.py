@@ -9,9 +9,11 @@ float32 on CPU.  Sampling: temperature 0.8, top-p 0.9, repetition penalty 1.1 (a
 
 Printed per side, best of ``--rounds`` interleaved rounds: wall seconds greedy and sampled, and the
 sampling's own cost (sampled - greedy) per sequence per step; then lmdock's cost over transformers'.
-lmdock runs with its default sampler on the CPU (``[backends.hf] sampler = "auto"``: the reference
-sampler) and with ``sampler = "torch"`` (the device sampler, here on the CPU).
-Run: ``HF_HUB_OFFLINE=1 python benchmarks/sampling.py [--tokens 32] [--rounds 3] [--threads N]``.
+lmdock runs with its default sampler (``[backends.hf] sampler = "auto"``: the reference sampler on the
+CPU, the torch sampler on an accelerator), with ``sampler = "torch"`` (the device sampler) and with
+``sampler = "reference"`` (the core's NumPy sampler: on an accelerator the logits cross to the host).
+``--device cuda`` runs both sides' model on the GPU (float32); ``--batch N`` decodes N sequences at once.
+Run: ``HF_HUB_OFFLINE=1 python benchmarks/sampling.py [--tokens 32] [--rounds 3] [--threads N] [--device cuda] [--batch 8]``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda: where both sides run the model (float32 on both)")
+    ap.add_argument("--batch", type=int, default=BATCH, help="sequences decoded together")
     args = ap.parse_args()
 
     import torch
@@ -52,19 +56,24 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     path = str(tiny_llama())
     n = args.tokens
-    prompts = [[1] + [3 + (17 * i + 5 * j) % 500 for j in range(15)] for i in range(BATCH)]
-    batch = torch.tensor(prompts)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    size = args.batch
+    prompts = [[1] + [3 + (17 * i + 5 * j) % 500 for j in range(15)] for i in range(size)]
+    batch = torch.tensor(prompts, device=args.device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device).eval()
     knobs = {"temperature": 0.8, "top_p": 0.9, "repetition_penalty": 1.1}
 
     def hf(sample: bool) -> None:
         extra = {"do_sample": True, "top_k": 0, **knobs} if sample else {"do_sample": False}
         with torch.inference_mode():
             model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=n, min_new_tokens=n, **extra)
+        if batch.is_cuda:
+            torch.cuda.synchronize()
 
     greedy = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True, detokenize=False)
-    sampled = [SamplingParams(seed=i, max_new_tokens=n, ignore_eos=True, detokenize=False, **knobs) for i in range(BATCH)]
-    engines = {mode: LLM(path, backend="hf", backends={"hf": {"sampler": mode}}, scheduler={"max_num_seqs": BATCH}) for mode in ("auto", "torch")}
+    sampled = [SamplingParams(seed=i, max_new_tokens=n, ignore_eos=True, detokenize=False, **knobs) for i in range(size)]
+    build = {"device": args.device, "dtype": "float32"}
+    engines = {mode: LLM(path, backend="hf", build=build, backends={"hf": {"sampler": mode}}, scheduler={"max_num_seqs": size})
+               for mode in ("auto", "torch", "reference")}
     try:
         runs: dict[str, list[float]] = {}
         for llm in engines.values():
@@ -80,18 +89,19 @@ def main() -> None:
         for llm in engines.values():
             llm.shutdown()
     best = {k: min(v) for k, v in runs.items()}
-    per = BATCH * n  # sequence-steps
+    per = size * n  # sequence-steps
 
     def cost(side: str) -> float:
         return (best[f"{side} sampled"] - best[f"{side} greedy"]) / per
 
     hf_cost = cost("transformers")
     rows = []
-    for side in ("lmdock auto", "lmdock torch", "transformers"):
+    for side in ("lmdock auto", "lmdock torch", "lmdock reference", "transformers"):
         c = cost(side)
-        rows.append((side, f"{BATCH * n / best[side + ' greedy']:,.0f}", f"{BATCH * n / best[side + ' sampled']:,.0f}",
+        rows.append((side, f"{per / best[side + ' greedy']:,.0f}", f"{per / best[side + ' sampled']:,.0f}",
                      f"{c * 1e3:.2f}", f"{c / hf_cost:.2f}"))
-    print(f"model: tiny random Llama, vocabulary {VOCAB:,}; batch {BATCH}, {n} tokens each; best of {args.rounds} interleaved rounds")
+    print(f"model: tiny random Llama, vocabulary {VOCAB:,}; batch {size}, {n} tokens each, on {args.device}; "
+          f"best of {args.rounds} interleaved rounds")
     print(f"machine: {machine()}")
     print(table(rows, ("side", "greedy tok/s", "sampled tok/s", "sampling ms per seq per step", "cost / transformers'")))
 
