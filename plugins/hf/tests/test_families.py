@@ -102,3 +102,20 @@ def test_hybrid_without_prefix_caching_and_partial_prefix(zoo: Path, stories: st
     with LLM(str(path), backend="hf", kv_cache={"enable_prefix_caching": False}) as llm:
         _same(llm.generate([partial], GREEDY)[0].outputs[0].token_ids, refs[1], "caching off")
         assert llm.stats()["prefix_caching"] == "off"
+
+
+@pytest.mark.parametrize(("installed", "lacks"), [("4.56.2", True), ("5.17.0", True), ("5.20.1", True), ("5.21.0", False), ("5.24.0", False)])
+def test_recurrent_state_is_declared_only_where_transformers_serves_it_through_the_cache_api(monkeypatch: pytest.MonkeyPatch,
+                                                                                             installed: str, lacks: bool) -> None:
+    """Before 5.21 transformers' hybrid models read conv / recurrent states from the cache's layers
+    directly (an IndexError at the first decode step on 5.17): lmdock-hf declares recurrent_state lacking
+    there, so the loader refuses hybrids at load with the reason (read from metadata: nothing imported)."""
+    import importlib.metadata
+
+    import lmdock_hf
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: installed)
+    found = lmdock_hf._states_api_lacking()
+    assert ("recurrent_state" in found) is lacks, found
+    if lacks:
+        assert installed in found["recurrent_state"] and "transformers>=5.21" in found["recurrent_state"]

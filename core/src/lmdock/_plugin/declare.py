@@ -134,7 +134,8 @@ def _instead(spec: BackendSpec, features: Any, family: str, model: str) -> str:
             if s.name != spec.name and fmt in s.model_formats and family not in s.refuses_families and all(s.capability(f, family)[0] for f in features)]
     if fits:
         return "use " + " or ".join(f"backend = {n!r}" for n in sorted(fits))
-    return f"use a backend that lists {', '.join(features) or family} in `lmdock backends` (lmdock-hf runs every family)"
+    hint = "" if spec.name == "hf" else " (lmdock-hf runs every family)"
+    return f"use a backend that lists {', '.join(features) or family} in `lmdock backends`{hint}"
 
 
 def has_nvidia_gpu() -> bool:

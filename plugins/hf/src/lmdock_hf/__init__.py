@@ -41,6 +41,26 @@ def _available() -> str | None:
     return None
 
 
+def _states_api_lacking() -> dict[str, str]:
+    """``recurrent_state`` is lacked where the installed transformers predates 5.21: its hybrid models
+    read their conv / recurrent states from the cache's layers directly, not through the Cache API
+    that lmdock-hf's per-slot cache implements (read from package metadata: nothing is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("transformers")
+    except PackageNotFoundError:
+        return {}
+    parts = [int(p) if p.isdigit() else 0 for p in installed.split(".")[:2]]
+    if tuple(parts) >= (5, 21):
+        return {}
+    return {"recurrent_state": f"transformers {installed}'s hybrid models read their conv / recurrent states from the cache's "
+                               "layers directly (before 5.21), which lmdock-hf's per-slot cache cannot serve: "
+                               "pip install -U 'transformers>=5.21'"}
+
+
+_LACKS = _states_api_lacking()
+
 SPEC = BackendSpec(
     name="hf",
     kind="step",
@@ -50,7 +70,8 @@ SPEC = BackendSpec(
                         # every model feature transformers implements: lmdock-conformance's family tests hold each to its generate
                         "sliding_window", "attention_sinks", "logit_softcapping", "recurrent_state", "moe",
                         # images: LLaVA and Idefics3 / SmolVLM; other vision families are refused at load (lmdock_hf._vision)
-                        "vision"}),
+                        "vision"}) - frozenset(_LACKS),
+    lacks=_LACKS,
     # |prompt logprob - transformers float32| on the conformance reference; measured 0.0038, 0.0023, 0.118
     tolerances={"int8_weight_only": 0.02, "int8_dynamic": 0.02, "int4_weight_only": 0.5},
     requires=("torch", "transformers"),
