@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from lmdock import RequestError
 from lmdock.backend import ReferenceSampler, Sample, SampleRow
@@ -59,11 +60,11 @@ def _sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sample]:
 def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Steps 2-9 for the rows that need them."""
     x = logits.clone()
-    for j, row in enumerate(rows):
+    for j, row in enumerate(rows):  # each step touches only its own row, so per row the order stays the reference's
         if row.bias is not None:
             _apply_bias(x[j], row)
-        if row.penalized:
-            _apply_penalties(x[j], row)
+    _apply_penalties(x, rows)
+    for j, row in enumerate(rows):
         if row.num_output < row.params.min_new_tokens:
             banned = list(row.params.stop_token_ids) + list(row.eos_token_ids)
             if banned:
@@ -110,19 +111,38 @@ def _apply_bias(x: torch.Tensor, row: SampleRow) -> None:
         raise RequestError("allowed_token_ids and bad_words leave no token to generate next; allow more tokens")
 
 
-def _apply_penalties(x: torch.Tensor, row: SampleRow) -> None:
-    """Step 3 on one row, only at the tokens seen (the reference's sparse tallies, moved over)."""
-    p = row.params
-    if p.repetition_penalty != 1.0:
-        seen = torch.from_numpy(row.seen_ids()).to(x.device)
-        vals = x[seen]
-        x[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.frequency_penalty or p.presence_penalty) and row.num_output > 0:
-        ids_np, counts_np = row.output_counts()
-        ids = torch.from_numpy(ids_np).to(x.device)
+def _apply_penalties(x: torch.Tensor, rows: Sequence[SampleRow]) -> None:
+    """Step 3 for every penalized row at once, only at the tokens each has seen (the reference's sparse
+    tallies, moved over in one copy per penalty kind: a copy and a scatter per row cost a batch of 64 on
+    a GPU ~7 ms a step, measured on an H200)."""
+    rep = [(j, r) for j, r in enumerate(rows) if r.penalized and r.params.repetition_penalty != 1.0]
+    if rep:
+        seen = [r.seen_ids() for _, r in rep]
+        at, ids = _flat([j for j, _ in rep], seen, x.device)
+        pen = torch.from_numpy(np.repeat(np.array([r.params.repetition_penalty for _, r in rep], dtype=np.float32),
+                                         [len(s) for s in seen])).to(x.device)
+        vals = x[at, ids]
+        x[at, ids] = torch.where(vals > 0, vals / pen, vals * pen)
+    add = [(j, r) for j, r in enumerate(rows)
+           if r.penalized and (r.params.frequency_penalty or r.params.presence_penalty) and r.num_output > 0]
+    if add:
+        tallies = [r.output_counts() for _, r in add]
+        at, ids = _flat([j for j, _ in add], [t[0] for t in tallies], x.device)
+        lens = [len(t[0]) for t in tallies]
+        counts = np.concatenate([t[1] for t in tallies]).astype(np.float64)
+        freq = np.repeat(np.array([r.params.frequency_penalty for _, r in add], dtype=np.float64), lens)
+        pres = np.repeat(np.array([r.params.presence_penalty for _, r in add], dtype=np.float64), lens)
         wide = _wide(x.device)
-        counts = torch.from_numpy(counts_np).to(x.device, wide)
-        x[ids] = (x[ids].to(wide) - (p.frequency_penalty * counts + p.presence_penalty)).float()
+        minus = torch.from_numpy(freq * counts + pres).to(x.device, wide)
+        x[at, ids] = (x[at, ids].to(wide) - minus).float()
+
+
+def _flat(rows: list[int], ids: list[np.ndarray], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) index pairs for advanced indexing, built on the host and copied once."""
+    pairs = np.stack([np.repeat(np.array(rows, dtype=np.int64), [len(i) for i in ids]),
+                      np.concatenate(ids).astype(np.int64)])
+    at, tok = torch.from_numpy(pairs).to(device)
+    return at, tok
 
 
 def _distributions(x: torch.Tensor, params: Sequence[Any]) -> torch.Tensor:
