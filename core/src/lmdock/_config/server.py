@@ -114,10 +114,16 @@ class ServerConfig(Replaceable):
     max_tokens_past_context: Literal["refuse", "clamp"] = "refuse"
     #: images in requests (docs/vision.md): at most ``max_images_per_request`` a request, each at most
     #: ``max_image_pixels`` (read from its header, before decoding); file paths only under ``image_dir``
-    #: (None: none read); http(s) URLs are never fetched
+    #: (None: none read); http(s) URLs only with ``image_fetch`` on (``server/_fetch.py``): at most
+    #: ``image_fetch_max_bytes`` in ``image_fetch_timeout`` seconds, never from a private, loopback or
+    #: link-local address unless its network is in ``image_fetch_allow``
     max_images_per_request: int = 8
     max_image_pixels: int = 16_777_216
     image_dir: str | None = None
+    image_fetch: bool = False
+    image_fetch_max_bytes: int = 20_971_520
+    image_fetch_timeout: float = 10.0
+    image_fetch_allow: tuple[str, ...] = ()
     #: each model's engine as this many Ray Serve replicas behind the one server (1: no Ray; ``server/_ray.py``),
     #: or as many as Ray Serve's autoscaler keeps between ``autoscaling``'s min and max; each replica an actor
     #: with ``ray_actor_options`` (``num_cpus`` 1 unless given).  A model's own keys win over these.
@@ -135,6 +141,7 @@ class ServerConfig(Replaceable):
         integer("max_prompt_chars", self.max_prompt_chars, 1, optional=False)
         integer("max_images_per_request", self.max_images_per_request, 1, optional=False)
         integer("max_image_pixels", self.max_image_pixels, 1, optional=False)
+        self._check_image_fetch()
         integer("response_store_max_bytes", self.response_store_max_bytes, 0, optional=False)
         integer("response_store_max_items", self.response_store_max_items, 0, optional=False)
         for name in ("max_header_bytes", "max_headers", "max_connections"):
@@ -157,3 +164,18 @@ class ServerConfig(Replaceable):
               f"must be 'refuse' (a 400, as vLLM answers) or 'clamp' (cut to the context), got {self.max_tokens_past_context!r}")
         check(self.metric_names in ("lmdock", "vllm"), "metric_names",
               f"must be 'lmdock' (lmdock: names only) or 'vllm' (also vLLM's vllm: names), got {self.metric_names!r}")
+
+    def _check_image_fetch(self) -> None:
+        import ipaddress
+
+        integer("image_fetch_max_bytes", self.image_fetch_max_bytes, 1, optional=False)
+        check(self.image_fetch_timeout > 0, "image_fetch_timeout", f"must be > 0 seconds, got {self.image_fetch_timeout}")
+        allow = self.image_fetch_allow
+        check(isinstance(allow, (list, tuple)) and all(isinstance(v, str) for v in allow), "image_fetch_allow",
+              f"must be a list of networks such as ['10.0.0.0/8'], got {allow!r}")
+        for value in allow:
+            try:
+                ipaddress.ip_network(value, strict=False)
+            except ValueError:
+                check(False, "image_fetch_allow", f"{value!r} is not an IP network; give addresses or networks such as '10.1.2.0/24'")
+        object.__setattr__(self, "image_fetch_allow", tuple(allow))

@@ -23,7 +23,7 @@ import binascii
 import hashlib
 import io
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,12 +38,15 @@ IMAGE_PART_TYPES = ("image_url", "input_image", "image")
 class ImageLimits:
     """Bounds on a request's images: the server sets them from ``[server]``; the Python API uses
     the defaults (PIL's own decompression-bomb bound).  ``image_dir``: the folder file paths must lie
-    under (None: any path for the Python API; the server refuses paths unless it is set)."""
+    under (None: any path for the Python API; the server refuses paths unless it is set).  ``fetch``:
+    ``fetch(url, where) -> bytes`` for http(s) URLs (the server's bounded fetcher where ``[server]
+    image_fetch`` is on); None: such URLs are refused."""
 
     max_pixels: int = 89_478_485  # PIL.Image.MAX_IMAGE_PIXELS
     max_images: int | None = None
     image_dir: str | None = None
     allow_paths: bool = True
+    fetch: Callable[[str, str], bytes] | None = None
 
 
 PYTHON_LIMITS = ImageLimits()
@@ -128,12 +131,13 @@ def image_of_part(part: Any, where: str) -> Any:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind not in IMAGE_PART_TYPES:
         return None
+    low = False
     if kind == "image_url":  # OpenAI chat: {"image_url": {"url": ...}} (or the URL alone)
         value = part.get("image_url")
-        _detail(value.get("detail") if isinstance(value, dict) else None, f"{where}.image_url.detail")
+        low = _low_detail(value.get("detail") if isinstance(value, dict) else None, f"{where}.image_url.detail")
         value = value.get("url") if isinstance(value, dict) else value
     elif kind == "input_image":  # Responses: {"image_url": "..."}
-        _detail(part.get("detail"), f"{where}.detail")
+        low = _low_detail(part.get("detail"), f"{where}.detail")
         value = part.get("image_url")
         if part.get("file_id") is not None:
             raise RequestError(f"{where}: input_image file_id: lmdock has no file store; send the image as a data URL in image_url")
@@ -142,14 +146,28 @@ def image_of_part(part: Any, where: str) -> Any:
             part.get("image") if part.get("image") is not None else part.get("url") or part.get("path"))
     if value is None or value == "":
         raise RequestError(f"{where}: an {kind} part without an image; give a data URL (data:image/png;base64,...)")
-    return value
+    return LowDetail(value) if low else value
 
 
-def _detail(detail: Any, where: str) -> None:
-    """OpenAI's ``detail`` picks a resolution; lmdock feeds each image as the model's processor sizes it."""
-    if detail not in (None, "auto"):
-        raise RequestError(f"{where} {detail!r}: lmdock feeds images at the resolution the model's processor sets; "
-                           "send 'auto' or leave detail out")
+@dataclass(frozen=True)
+class LowDetail:
+    """An image sent with OpenAI's ``detail: "low"``: decoded, then bounded to
+    :data:`LOW_DETAIL_SIZE` (aspect ratio kept, never enlarged) before the model's processor sees it."""
+
+    value: Any
+
+
+#: OpenAI's low-detail image: at most 512 x 512 pixels
+LOW_DETAIL_SIZE = (512, 512)
+
+
+def _low_detail(detail: Any, where: str) -> bool:
+    """OpenAI's ``detail``: ``"low"`` bounds the image to 512 x 512 (as OpenAI's low-detail mode);
+    ``"high"`` and ``"auto"`` feed it at the resolution the model's processor sets (its highest)."""
+    if detail not in (None, "auto", "high", "low"):
+        raise RequestError(f"{where} {detail!r}: OpenAI's detail is 'low' (the image bounded to 512x512 first), 'high' or "
+                           "'auto' (the resolution the model's processor sets)")
+    return detail == "low"
 
 
 def _anthropic_source(source: Any, where: str) -> Any:
@@ -179,6 +197,12 @@ def processor_adds_special_tokens(rendered: str, tokenizer: Any) -> bool:
 def load_image(value: Any, where: str, limits: ImageLimits = PYTHON_LIMITS) -> Any:
     """An RGB PIL image from a PIL image, bytes, a path or a data URL; RequestError naming ``where``
     for what cannot be read or is too large."""
+    if isinstance(value, LowDetail):
+        image = load_image(value.value, where, limits)
+        image.thumbnail(LOW_DETAIL_SIZE, resample=3)  # in place, aspect kept, never enlarged; 3: PIL's BICUBIC
+        return image
+    if isinstance(value, str) and value.startswith(("http://", "https://")):
+        value = _fetch(value, where, limits)
     try:
         from PIL import Image
     except ImportError:
@@ -194,11 +218,16 @@ def load_image(value: Any, where: str, limits: ImageLimits = PYTHON_LIMITS) -> A
         raise RequestError(f"{where}: an image is a PIL image, bytes, a path or a data URL, not {type(value).__name__}")
     if value.startswith("data:"):
         return decode(_data_url(value, where), where, limits)
-    if value.startswith(("http://", "https://")):
-        raise RequestError(f"{where}: lmdock does not fetch images over http(s); send the image inline as a data URL "
-                           "(data:image/png;base64,...) or, on a server with [server] image_dir set, a file path under it")
     path = value[len("file://"):] if value.startswith("file://") else value
     return decode(_read_path(path, where, limits), where, limits)
+
+
+def _fetch(url: str, where: str, limits: ImageLimits) -> bytes:
+    if limits.fetch is None:
+        raise RequestError(f"{where}: lmdock does not fetch images over http(s) unless `lmdock serve` has [server] image_fetch "
+                           "= true (the Python API never does); send the image inline as a data URL (data:image/png;base64,...)"
+                           " or, on a server with [server] image_dir set, a file path under it")
+    return limits.fetch(url, where)
 
 
 def decode(data: bytes, where: str, limits: ImageLimits) -> Any:

@@ -79,13 +79,12 @@ SPEC = BackendSpec(
     plugin_api="1.0",
     supports=frozenset(
         {"generate", "chat", "stream", "sampling", "logit_bias", "logprobs", "prompt_logprobs", "structured_output", "tools", "quantization",
-         "next_token_logprobs", "beam_search", "embed", "score", "lora",
+         "next_token_logprobs", "beam_search", "embed", "score", "lora", "vision",
          # model features: the family tests found Gemma 2's windows and soft-capping, gpt-oss's sinks,
          # windows and experts exact (docs/model-families.md)
          "sliding_window", "attention_sinks", "logit_softcapping", "moe"}
     ),
     lacks={
-        "vision": "lmdock-vllm does not pass images to vLLM's multi_modal_data yet; use lmdock-hf (docs/vision.md)",
         "offload": "no portable mapping: pass backends.vllm.engine_args = {cpu_offload_gb = N} for vLLM's weight offload to RAM",
         "recurrent_state": "vLLM 0.32 does not start on the hybrid checkpoints transformers 5 writes: bamba's 'linear_attention' "
                            "layers go to its Transformers fallback, which cannot run them, and its LFM2 reads conv_dim, no longer written "
@@ -123,7 +122,7 @@ def _build(model_config: ModelConfig) -> dict[str, Any] | None:
 def _load(model_config: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> Any:
     from lmdock.backend import read_pooling_config
 
-    from lmdock_vllm import _cpu_ngram
+    from lmdock_vllm import _cpu_ngram, _multimodal
     from lmdock_vllm._engine import VllmEngine
     from lmdock_vllm._translate import with_options
 
@@ -131,6 +130,7 @@ def _load(model_config: ModelConfig, options: Any, quantization: Any, build: dic
     multiprocessing = options.multiprocessing
     if _cpu_ngram.needs_fix(kwargs, is_cpu_build()):
         multiprocessing = _cpu_ngram.prepare(multiprocessing)
+    _multimodal.check_family(model_config)  # before vLLM starts: a vision architecture it does not implement
     pooling = read_pooling_config(model_config.model)
     if pooling["task"] is not None:  # an embedding model or a cross-encoder: vLLM's pooling runner
         from lmdock_vllm._pooling import VllmPoolingEngine

@@ -45,7 +45,7 @@ from lmdock.backend import (
     safe_put,
 )
 
-from lmdock_vllm import is_cpu_build
+from lmdock_vllm import _multimodal, is_cpu_build
 from lmdock_vllm._beam import BeamRequest, BeamSearches
 from lmdock_vllm._build import build_engine, engine_error, eos_ids, shutdown
 from lmdock_vllm._convert import completion, logprobs, lora_request, sampling_params
@@ -144,6 +144,7 @@ class VllmEngine:
     def _start(self, mc: ModelConfig, engine_kwargs: dict[str, Any]) -> None:
         """Build vLLM's engine and read the model's facts from it (on the engine thread)."""
         self._engine = build_engine(mc, engine_kwargs, self._stats)
+        _multimodal.check_engine(self._engine, mc.model)
         if self.lora_enabled and is_cpu_build():  # see _lora.py: base rows must name an adapter there
             self._zero_dir = tempfile.mkdtemp(prefix="lmdock-vllm-zero-lora-")
             folder = write_zero_adapter(model_folder(mc.model, mc.revision), Path(self._zero_dir))
@@ -180,6 +181,7 @@ class VllmEngine:
         if p.beam_width > 1:
             if lora is not None:
                 raise RequestError("lora_request with beam_width > 1: lmdock-vllm's beam search runs the base model only; remove one")
+            _multimodal.check_beam(request)
             item: Any = ("beam", BeamRequest.make(request, sink, self.eos_token_ids, self.max_logprobs))
         else:
             try:
@@ -318,10 +320,9 @@ class VllmEngine:
 
     def _add(self, request: EngineRequest, sink: OutputSink, params: Any, lora: Any) -> None:
         try:
-            self._engine.add_request(request.request_id, {"prompt_token_ids": list(request.prompt_token_ids)}, params, lora_request=lora)
+            self._engine.add_request(request.request_id, _multimodal.prompt(request), params, lora_request=lora)
         except Exception as exc:  # refused by vLLM's input processing: this request alone fails
-            what = "structured_output could not be compiled: " if request.params.structured_output is not None else ""
-            safe_fail(sink, RequestError(f"vLLM refused request {request.request_id} to {self.model!r}: {what}{exc}"))
+            safe_fail(sink, _multimodal.refusal(request, self.model, exc))
         else:
             self._live[request.request_id] = _Live(request, sink)
 
