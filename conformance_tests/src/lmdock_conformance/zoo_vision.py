@@ -22,11 +22,15 @@ VOCAB = 512
 _TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
              "{% for p in m['content'] %}{% if p['type'] == 'image' %}{{ '<image>' }}{% else %}{{ p['text'] }}{% endif %}"
              "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+#: Qwen2-VL's placeholder: its image token between the vision start and end tokens, as Qwen's template writes it
+_QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 _TEXT = {"vocab_size": VOCAB + 1, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
          "num_key_value_heads": 1, "head_dim": 32, "max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2,
          "pad_token_id": 0, "tie_word_embeddings": False}
 #: families the builders make, and the transformers model_type of each
-FAMILIES = {"llava": "llava", "idefics3": "idefics3"}
+FAMILIES = {"llava": "llava", "idefics3": "idefics3", "qwen2_vl": "qwen2_vl"}
+#: what a prompt writes where an image goes, per family (the model's processor expands it)
+PLACEHOLDERS = {"llava": "<image>", "idefics3": "<image>", "qwen2_vl": _QWEN_IMAGE}
 
 
 def seeded_image(seed: int, size: tuple[int, int] = (40, 30)) -> Any:
@@ -42,23 +46,60 @@ def build(family: str, target: str | Path, tokenizer: str | Path | None = None, 
     """Build ``family``'s checkpoint and processor into ``target``; returns it.  ``sizes`` (LLaVA
     only, for benchmarks): ``text`` and ``vision`` config overrides, ``image_size`` in pixels."""
     target = Path(target)
-    tok = _tokenizer(Path(tokenizer or Path(os.environ.get("LMDOCK_MODELS", "../shared/models")) / "stories260K"))
-    model, processor = {"llava": _llava, "idefics3": _idefics3}[family](tok, **sizes)
+    folder = Path(tokenizer or Path(os.environ.get("LMDOCK_MODELS", "../shared/models")) / "stories260K")
+    tok = _tokenizer(folder, _QWEN_TOKENS if family == "qwen2_vl" else None)
+    model, processor = {"llava": _llava, "idefics3": _idefics3, "qwen2_vl": _qwen2_vl}[family](tok, **sizes)
     model.save_pretrained(target)
-    processor.save_pretrained(target)
+    if family == "qwen2_vl":  # its processor holds no video processor (see load_processor): saved by parts
+        processor.image_processor.save_pretrained(target)
+        (target / "processor_config.json").write_text('{"processor_class": "Qwen2VLProcessor"}')
+    else:
+        processor.save_pretrained(target)
     tok.save_pretrained(target)
     (target / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}')
     return target
 
 
-def _tokenizer(folder: Path) -> Any:
+#: Qwen2-VL's special tokens, from VOCAB on: image, video, vision start, vision end
+_QWEN_TOKENS = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]
+
+
+def _tokenizer(folder: Path, tokens: list[str] | None = None) -> Any:
+    """stories260K's tokenizer with ``tokens`` added (the first, the image token, at id VOCAB)."""
     from transformers import AutoTokenizer
 
+    tokens = tokens or ["<image>"]
     tok = AutoTokenizer.from_pretrained(folder)
-    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    tok.chat_template = _TEMPLATE
-    assert tok.convert_tokens_to_ids("<image>") == VOCAB  # noqa: S101 - the config's image_token_id
+    tok.add_special_tokens({"additional_special_tokens": tokens})
+    tok.chat_template = _TEMPLATE if tokens[0] == "<image>" else _TEMPLATE.replace("'<image>'", repr(_QWEN_IMAGE))
+    assert tok.convert_tokens_to_ids(tokens[0]) == VOCAB  # noqa: S101 - the config's image_token_id
     return tok
+
+
+def load_processor(path: str | Path) -> Any:
+    """The checkpoint's processor, as ``AutoProcessor`` loads it; for Qwen2-VL where transformers'
+    video processor needs torchvision and it is not installed, the processor without it (images
+    only: its image processor, tokenizer and chat template, as transformers' class uses them)."""
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(path)
+    except ImportError:
+        from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
+
+        tok = AutoTokenizer.from_pretrained(path)
+        return _images_only(Qwen2VLProcessor)(image_processor=AutoImageProcessor.from_pretrained(path), tokenizer=tok,
+                                             video_processor=None, chat_template=tok.chat_template)
+
+
+def _images_only(cls: Any) -> Any:
+    """``cls`` (a transformers processor class) taking no video processor."""
+
+    class ImagesOnly(cls):  # type: ignore[misc,valid-type]
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
+
+    return ImagesOnly
 
 
 def _widen(model: Any) -> Any:
@@ -115,4 +156,23 @@ def _idefics3(tok: Any) -> tuple[Any, Any]:
     model = _widen(Idefics3ForConditionalGeneration(cfg))
     images = Idefics3ImageProcessor(size={"longest_edge": 56}, max_image_size={"longest_edge": 28}, do_image_splitting=True)
     processor = Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=1, chat_template=_TEMPLATE)
+    return model, processor
+
+
+def _qwen2_vl(tok: Any) -> tuple[Any, Any]:
+    """Qwen2-VL: a ViT over 14-pixel patches merged 2x2 (images resized to 56-84 pixels a side, so
+    an image is a grid of 2-3 by 2-3 tokens with 3-D multimodal rotary positions), Qwen2 text."""
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor, Qwen2VLProcessor
+
+    text = {k: v for k, v in _TEXT.items() if k != "head_dim"}  # 64 / 2 heads: head_dim 32, 16 rotary pairs
+    text.update(vocab_size=len(tok), rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]})
+    vision = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2}
+    ids = [tok.convert_tokens_to_ids(t) for t in _QWEN_TOKENS]
+    cfg = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids[0], video_token_id=ids[1],
+                        vision_start_token_id=ids[2], vision_end_token_id=ids[3])
+    torch.manual_seed(SEED)
+    model = _widen(Qwen2VLForConditionalGeneration(cfg))
+    images = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=84 * 84)
+    processor = _images_only(Qwen2VLProcessor)(image_processor=images, tokenizer=tok, video_processor=None, chat_template=tok.chat_template)
     return model, processor

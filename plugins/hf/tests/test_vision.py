@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from lmdock import LLM, RequestError, UnsupportedError
 from lmdock._llm.multimodal import ImageLimits, load_image
-from lmdock_conformance.zoo_vision import build, seeded_image
+from lmdock_conformance.zoo_vision import PLACEHOLDERS, build, load_processor, seeded_image
 
 GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
 TEXT = {"vocab_size": 520, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -42,6 +42,59 @@ def test_second_turn_reuses_the_encoded_image(llava: Any) -> None:
     assert vision.encodes == runs + 1  # another image is encoded
 
 
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, str]]:
+    path = str(build("qwen2_vl", tmp_path_factory.mktemp("qwen2_vl")))
+    with LLM(path, backend="hf") as llm:
+        yield llm, path
+
+
+def _transformers(path: str, prompt: str, images: list[Any]) -> list[int]:
+    """transformers' greedy tokens (``generate`` on the model's processor's outputs)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    inputs = load_processor(path)(text=[prompt], images=images, return_tensors="pt")
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=GREEDY["max_tokens"], do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_qwen2_vl_second_turn_from_the_prefix_cache(qwen: tuple[Any, str]) -> None:
+    """Qwen2-VL's multimodal rotary positions survive the prefix cache: a longer second turn over the
+    same image reuses the first turn's KV state (image tokens at their grid positions) and its new
+    tokens, at index + the image's offset, give transformers' tokens."""
+    llm, path = qwen
+    image = seeded_image(31, (60, 40))
+    first = f"Once upon a time {PLACEHOLDERS['qwen2_vl']} there"
+    llm.generate({"prompt": first, "multi_modal_data": {"image": image}}, GREEDY)
+    second = llm.generate({"prompt": first + " was a girl", "multi_modal_data": {"image": image}}, GREEDY)[0]
+    assert second.num_cached_tokens > 0
+    assert list(second.outputs[0].token_ids) == _transformers(path, first + " was a girl", [image])
+
+
+def test_qwen2_vl_forked_samples_keep_the_offset(qwen: tuple[Any, str]) -> None:
+    """``n=2`` greedy samples of one image prompt: both decode at the prompt's positions (a fork carries the offset)."""
+    llm, path = qwen
+    image = seeded_image(32)
+    prompt = f"Once {PLACEHOLDERS['qwen2_vl']} upon a time"
+    out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, {**GREEDY, "n": 2})[0]
+    want = _transformers(path, prompt, [image])
+    assert [list(o.token_ids) for o in out.outputs] == [want, want]
+
+
+def test_qwen2_vl_image_split_across_prefill_chunks(qwen: tuple[Any, str]) -> None:
+    """Prefill chunks of 4 tokens cut the image's tokens apart: each chunk takes its own slice of
+    the prompt's 3-D positions (and of the image features)."""
+    path = qwen[1]
+    image = seeded_image(33, (60, 40))
+    prompt = f"Once upon a time {PLACEHOLDERS['qwen2_vl']} there was"
+    with LLM(path, backend="hf", max_num_batched_tokens=4) as llm:
+        out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, GREEDY)[0]
+    assert list(out.outputs[0].token_ids) == _transformers(path, prompt, [image])
+
+
 def test_a_text_model_given_an_image_is_refused(llm: Any) -> None:
     with pytest.raises(RequestError, match="no vision encoder"):
         llm.generate({"prompt": "Once upon a time", "multi_modal_data": {"image": seeded_image(1)}}, GREEDY)
@@ -60,14 +113,15 @@ def _save_with_tokenizer(model: Any, target: Path, stories: str) -> str:
     return str(target)
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
 def test_families_it_cannot_run_exactly_are_refused_at_load(family: str, stories: str, tmp_path: Path) -> None:
     import transformers
 
-    if family == "qwen2_vl":
-        cfg = transformers.Qwen2VLConfig(text_config={**TEXT, "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]}},
-                                         vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2})
-        model, why = transformers.Qwen2VLForConditionalGeneration(cfg), "multimodal rotary positions"
+    if family == "qwen2_5_vl":
+        cfg = transformers.Qwen2_5_VLConfig(text_config={**TEXT, "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]}},
+                                            vision_config={"depth": 1, "hidden_size": 32, "out_hidden_size": 64, "num_heads": 2,
+                                                           "intermediate_size": 64})
+        model, why = transformers.Qwen2_5_VLForConditionalGeneration(cfg), "not checked against transformers"
     else:
         cfg = transformers.Gemma3Config(text_config=TEXT, mm_tokens_per_image=4, vision_config={
             "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14})

@@ -171,6 +171,8 @@ class HFStepEngine(StepEngineBase):
         # a prompt's chunk with images: its embeddings, image features in place of image tokens
         text = {"input_ids": ids} if chunks[0].multi_modal is None else {"inputs_embeds": self.vision.embeds(chunks[0], ids)}
         pos = view.start_t[:, None] + torch.arange(width, device=self.device)[None, :]
+        # the model's rotary positions: the cache positions, or Qwen2-VL's three streams (``_mrope``)
+        rope = pos if self.vision is None or self.vision.mrope is None else self.vision.mrope.positions(chunks, pos)
         if self.adapters:  # LoRA: which rows of this forward run under which adapter
             self.adapters.select([c.lora for c in chunks])
         try:
@@ -178,7 +180,7 @@ class HFStepEngine(StepEngineBase):
                 out = self.model(
                     **text,
                     attention_mask=self._mask(pos, kv_len, starts, width),
-                    position_ids=pos,
+                    position_ids=rope,
                     use_cache=True,
                     **{self.cache_kw: view},
                     logits_to_keep=0 if all_logits else 1,
@@ -205,6 +207,8 @@ class HFStepEngine(StepEngineBase):
     @torch.inference_mode()
     def release(self, seq_id: int) -> None:
         self.cache.release(seq_id)
+        if self.vision is not None and self.vision.mrope is not None:
+            self.vision.mrope.release(seq_id)
 
     @torch.inference_mode()
     def fork(self, src_seq_id: int, dst_seq_id: int, length: int) -> bool:
@@ -213,6 +217,8 @@ class HFStepEngine(StepEngineBase):
         if not self.cache.holds(src_seq_id, length):
             return False  # a sliding layer's ring has moved past the window ``length`` needs (``_window``)
         self.cache.copy(src_seq_id, dst_seq_id, length)
+        if self.vision is not None and self.vision.mrope is not None:
+            self.vision.mrope.fork(src_seq_id, dst_seq_id)
         return True
 
     def truncate(self, seq_id: int, length: int) -> bool:
