@@ -28,9 +28,11 @@ _TEXT = {"vocab_size": VOCAB + 1, "hidden_size": 64, "intermediate_size": 128, "
          "num_key_value_heads": 1, "head_dim": 32, "max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2,
          "pad_token_id": 0, "tie_word_embeddings": False}
 #: families the builders make, and the transformers model_type of each
-FAMILIES = {"llava": "llava", "idefics3": "idefics3", "qwen2_vl": "qwen2_vl"}
+FAMILIES = {"llava": "llava", "idefics3": "idefics3", "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl"}
 #: what a prompt writes where an image goes, per family (the model's processor expands it)
-PLACEHOLDERS = {"llava": "<image>", "idefics3": "<image>", "qwen2_vl": _QWEN_IMAGE}
+PLACEHOLDERS = {"llava": "<image>", "idefics3": "<image>", "qwen2_vl": _QWEN_IMAGE, "qwen2_5_vl": _QWEN_IMAGE}
+#: the processor class of the families whose processor is saved and loaded without its video processor
+_IMAGES_ONLY = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
 
 
 def seeded_image(seed: int, size: tuple[int, int] = (40, 30)) -> Any:
@@ -47,12 +49,12 @@ def build(family: str, target: str | Path, tokenizer: str | Path | None = None, 
     only, for benchmarks): ``text`` and ``vision`` config overrides, ``image_size`` in pixels."""
     target = Path(target)
     folder = Path(tokenizer or Path(os.environ.get("LMDOCK_MODELS", "../shared/models")) / "stories260K")
-    tok = _tokenizer(folder, _QWEN_TOKENS if family == "qwen2_vl" else None)
-    model, processor = {"llava": _llava, "idefics3": _idefics3, "qwen2_vl": _qwen2_vl}[family](tok, **sizes)
+    tok = _tokenizer(folder, _QWEN_TOKENS if family in _IMAGES_ONLY else None)
+    model, processor = {"llava": _llava, "idefics3": _idefics3, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl}[family](tok, **sizes)
     model.save_pretrained(target)
-    if family == "qwen2_vl":  # its processor holds no video processor (see load_processor): saved by parts
+    if family in _IMAGES_ONLY:  # its processor holds no video processor (see load_processor): saved by parts
         processor.image_processor.save_pretrained(target)
-        (target / "processor_config.json").write_text('{"processor_class": "Qwen2VLProcessor"}')
+        (target / "processor_config.json").write_text(f'{{"processor_class": "{_IMAGES_ONLY[family]}"}}')
     else:
         processor.save_pretrained(target)
     tok.save_pretrained(target)
@@ -77,19 +79,22 @@ def _tokenizer(folder: Path, tokens: list[str] | None = None) -> Any:
 
 
 def load_processor(path: str | Path) -> Any:
-    """The checkpoint's processor, as ``AutoProcessor`` loads it; for Qwen2-VL where transformers'
-    video processor needs torchvision and it is not installed, the processor without it (images
-    only: its image processor, tokenizer and chat template, as transformers' class uses them)."""
-    from transformers import AutoProcessor
+    """The checkpoint's processor, as ``AutoProcessor`` loads it; for Qwen2-VL and Qwen2.5-VL where
+    transformers' video processor needs torchvision and it is not installed, the processor without
+    it (images only: its image processor, tokenizer and chat template, as transformers' class uses them)."""
+    import json
+
+    import transformers
 
     try:
-        return AutoProcessor.from_pretrained(path)
+        return transformers.AutoProcessor.from_pretrained(path)
     except ImportError:
-        from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
-
-        tok = AutoTokenizer.from_pretrained(path)
-        return _images_only(Qwen2VLProcessor)(image_processor=AutoImageProcessor.from_pretrained(path), tokenizer=tok,
-                                             video_processor=None, chat_template=tok.chat_template)
+        name = json.loads((Path(path) / "processor_config.json").read_text())["processor_class"]
+        if name not in _IMAGES_ONLY.values():
+            raise
+        tok = transformers.AutoTokenizer.from_pretrained(path)
+        return _images_only(getattr(transformers, name))(image_processor=transformers.AutoImageProcessor.from_pretrained(path),
+                                                        tokenizer=tok, video_processor=None, chat_template=tok.chat_template)
 
 
 def _images_only(cls: Any) -> Any:
@@ -162,17 +167,35 @@ def _idefics3(tok: Any) -> tuple[Any, Any]:
 def _qwen2_vl(tok: Any) -> tuple[Any, Any]:
     """Qwen2-VL: a ViT over 14-pixel patches merged 2x2 (images resized to 56-84 pixels a side, so
     an image is a grid of 2-3 by 2-3 tokens with 3-D multimodal rotary positions), Qwen2 text."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    vision = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2}
+    return _qwen(tok, Qwen2VLConfig, Qwen2VLForConditionalGeneration, vision, "qwen2_vl")
+
+
+def _qwen2_5_vl(tok: Any) -> tuple[Any, Any]:
+    """Qwen2.5-VL: Qwen2-VL's layout with a windowed ViT (56-pixel windows, 2 merged tokens a side:
+    the 84-pixel images span several; the last block attends fully), RMSNorm and SwiGLU."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    vision = {"depth": 2, "hidden_size": 32, "out_hidden_size": 64, "intermediate_size": 64, "num_heads": 2, "window_size": 56,
+              "fullatt_block_indexes": [1]}
+    return _qwen(tok, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, vision, "qwen2_5_vl")
+
+
+def _qwen(tok: Any, config: Any, model_class: Any, vision: dict[str, Any], family: str) -> tuple[Any, Any]:
     import torch
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor, Qwen2VLProcessor
+    import transformers
+    from transformers import Qwen2VLImageProcessor
 
     text = {k: v for k, v in _TEXT.items() if k != "head_dim"}  # 64 / 2 heads: head_dim 32, 16 rotary pairs
     text.update(vocab_size=len(tok), rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]})
-    vision = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2}
     ids = [tok.convert_tokens_to_ids(t) for t in _QWEN_TOKENS]
-    cfg = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids[0], video_token_id=ids[1],
-                        vision_start_token_id=ids[2], vision_end_token_id=ids[3])
+    cfg = config(text_config=text, vision_config=vision, image_token_id=ids[0], video_token_id=ids[1], vision_start_token_id=ids[2],
+                 vision_end_token_id=ids[3])
     torch.manual_seed(SEED)
-    model = _widen(Qwen2VLForConditionalGeneration(cfg))
+    model = _widen(model_class(cfg))
     images = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=84 * 84)
-    processor = _images_only(Qwen2VLProcessor)(image_processor=images, tokenizer=tok, video_processor=None, chat_template=tok.chat_template)
+    processor = _images_only(getattr(transformers, _IMAGES_ONLY[family]))(image_processor=images, tokenizer=tok, video_processor=None,
+                                                                          chat_template=tok.chat_template)
     return model, processor

@@ -1,6 +1,6 @@
-"""Multimodal rotary positions (Qwen2-VL's mrope) over lmdock-hf's slot cache.
+"""Multimodal rotary positions (Qwen2-VL's and Qwen2.5-VL's mrope) over lmdock-hf's slot cache.
 
-Qwen2-VL rotates queries and keys by three position streams (time, height, width).  A text token
+Qwen2-VL (and Qwen2.5-VL, the same for images) rotates queries and keys by three position streams (time, height, width).  A text token
 has the same position in all three; an image's tokens take their grid row and column (from the
 position where the image starts), and the text after an image continues from the largest position
 so far plus one.  So past the first image a token's position is not its index in the sequence:
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 #: families whose text side takes 3-D multimodal rotary positions
-FAMILIES = {"qwen2_vl"}
+FAMILIES = {"qwen2_vl", "qwen2_5_vl"}
 
 
 def prompt_positions(model: Any, ids: torch.Tensor, processed: dict[str, Any], token_types: torch.Tensor) -> None:

@@ -9,7 +9,7 @@ tokens are, as the model's own forward does with ``masked_scatter``.  The text s
 any prompt: slot cache, chunked prefill, continuous batching.
 
 The families run are LLaVA (CLIP tower, image features in place of ``<image>`` tokens), Idefics3 /
-SmolVLM, and Qwen2-VL, whose multimodal rotary positions ``lmdock_hf._mrope`` carries.  Others are
+SmolVLM, and Qwen2-VL / Qwen2.5-VL, whose multimodal rotary positions ``lmdock_hf._mrope`` carries.  Others are
 refused at load with the reason (:data:`REFUSED`), never run with other tokens than transformers gives.
 """
 
@@ -24,11 +24,9 @@ from lmdock import BackendError, RequestError, UnsupportedError
 from lmdock_hf import _mrope
 
 #: Vision-language families run exactly (their conformance tests hold them to transformers' generate).
-SUPPORTED = {"llava", "idefics3", "smolvlm", "qwen2_vl"}
+SUPPORTED = {"llava", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl"}
 #: Families refused at load, with why.
 REFUSED = {
-    "qwen2_5_vl": "Qwen2.5-VL's image inputs (windowed vision attention, multimodal rotary positions) are not checked against "
-                  "transformers in lmdock-hf yet (Qwen2-VL is)",
     "gemma3": "Gemma 3 attends bidirectionally within each image's tokens, which lmdock-hf's causal slot-cache mask does not do yet",
 }
 #: Processor outputs that are the text side (the engine feeds token ids itself).
@@ -36,7 +34,7 @@ _TEXT_KEYS = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_id
 #: Keys of ``processed`` that are the engine's, not the vision tower's inputs.
 _ENGINE_KEYS = {"image_positions", "mrope", "mrope_delta"}
 #: Processor classes whose video processor needs torchvision, built without it where it is missing.
-_IMAGES_ONLY = {"qwen2_vl": "Qwen2VLProcessor"}
+_IMAGES_ONLY = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
 #: Encoded images kept for later turns (each entry: one request's images, [tokens, hidden]).
 _CACHED = 32
 
