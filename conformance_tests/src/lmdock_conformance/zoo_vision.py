@@ -28,9 +28,11 @@ _TEXT = {"vocab_size": VOCAB + 1, "hidden_size": 64, "intermediate_size": 128, "
          "num_key_value_heads": 1, "head_dim": 32, "max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2,
          "pad_token_id": 0, "tie_word_embeddings": False}
 #: families the builders make, and the transformers model_type of each
-FAMILIES = {"llava": "llava", "idefics3": "idefics3", "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl"}
+FAMILIES = {"llava": "llava", "idefics3": "idefics3", "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "gemma3": "gemma3"}
 #: what a prompt writes where an image goes, per family (the model's processor expands it)
-PLACEHOLDERS = {"llava": "<image>", "idefics3": "<image>", "qwen2_vl": _QWEN_IMAGE, "qwen2_5_vl": _QWEN_IMAGE}
+PLACEHOLDERS = {"llava": "<image>", "idefics3": "<image>", "qwen2_vl": _QWEN_IMAGE, "qwen2_5_vl": _QWEN_IMAGE, "gemma3": "<start_of_image>"}
+#: Gemma 3's named special tokens (its processor reads them off the tokenizer); the image token at id VOCAB
+_GEMMA_TOKENS = {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"}
 #: the processor class of the families whose processor is saved and loaded without its video processor
 _IMAGES_ONLY = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
 
@@ -49,8 +51,9 @@ def build(family: str, target: str | Path, tokenizer: str | Path | None = None, 
     only, for benchmarks): ``text`` and ``vision`` config overrides, ``image_size`` in pixels."""
     target = Path(target)
     folder = Path(tokenizer or Path(os.environ.get("LMDOCK_MODELS", "../shared/models")) / "stories260K")
-    tok = _tokenizer(folder, _QWEN_TOKENS if family in _IMAGES_ONLY else None)
-    model, processor = {"llava": _llava, "idefics3": _idefics3, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl}[family](tok, **sizes)
+    tok = _gemma_tokenizer(folder) if family == "gemma3" else _tokenizer(folder, _QWEN_TOKENS if family in _IMAGES_ONLY else None)
+    builders = {"llava": _llava, "idefics3": _idefics3, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "gemma3": _gemma3}
+    model, processor = builders[family](tok, **sizes)
     model.save_pretrained(target)
     if family in _IMAGES_ONLY:  # its processor holds no video processor (see load_processor): saved by parts
         processor.image_processor.save_pretrained(target)
@@ -75,6 +78,15 @@ def _tokenizer(folder: Path, tokens: list[str] | None = None) -> Any:
     tok.add_special_tokens({"additional_special_tokens": tokens})
     tok.chat_template = _TEMPLATE if tokens[0] == "<image>" else _TEMPLATE.replace("'<image>'", repr(_QWEN_IMAGE))
     assert tok.convert_tokens_to_ids(tokens[0]) == VOCAB  # noqa: S101 - the config's image_token_id
+    return tok
+
+
+def _gemma_tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder, extra_special_tokens=_GEMMA_TOKENS)
+    tok.chat_template = _TEMPLATE.replace("'<image>'", repr(_GEMMA_TOKENS["boi_token"]))
+    assert tok.image_token_id == VOCAB  # noqa: S101 - the config's image_token_index
     return tok
 
 
@@ -199,3 +211,21 @@ def _qwen(tok: Any, config: Any, model_class: Any, vision: dict[str, Any], famil
     processor = _images_only(getattr(transformers, _IMAGES_ONLY[family]))(image_processor=images, tokenizer=tok, video_processor=None,
                                                                           chat_template=tok.chat_template)
     return model, processor
+
+
+def _gemma3(tok: Any) -> tuple[Any, Any]:
+    """Gemma 3: a SigLIP tower over 28-pixel images (7-pixel patches) pooled to 4 tokens an image,
+    which attend to each other bidirectionally at prefill; Gemma 3 text with a sliding layer of
+    window 8 beside a full one (prompts run past the window), embeddings untied."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessor, Gemma3Processor
+
+    text = {**_TEXT, "vocab_size": len(tok), "sliding_window": 8, "query_pre_attn_scalar": 32,
+            "layer_types": ["sliding_attention", "full_attention"]}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 28, "patch_size": 7}
+    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=tok.image_token_id,
+                       boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id, tie_word_embeddings=False)
+    torch.manual_seed(SEED)
+    model = _widen(Gemma3ForConditionalGeneration(cfg))
+    images = Gemma3ImageProcessor(size={"height": 28, "width": 28})
+    return model, Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=4, chat_template=tok.chat_template)

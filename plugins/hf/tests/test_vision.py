@@ -1,7 +1,8 @@
 """lmdock-hf's image side beyond the conformance suite's exact tokens (lmdock_conformance.test_vision):
 a second turn over the same image runs the vision tower once; Qwen2-VL's multimodal rotary positions
-through the prefix cache, forks and prefill chunks that cut an image apart; Gemma 3, which it cannot
-run exactly, is refused at load with why; bad images are refused from the header with nothing held afterwards."""
+through the prefix cache, forks and prefill chunks that cut an image apart; Gemma 3's bidirectional
+image tokens through prefill chunks that would cut them apart (prompt logprobs too); bad images are
+refused from the header with nothing held afterwards."""
 
 from __future__ import annotations
 
@@ -114,15 +115,40 @@ def _save_with_tokenizer(model: Any, target: Path, stories: str) -> str:
     return str(target)
 
 
-def test_gemma3_is_refused_at_load(stories: str, tmp_path: Path) -> None:
-    """Gemma 3 attends bidirectionally within an image's tokens at prefill: refused, with why."""
+def test_a_family_not_held_to_transformers_is_refused_at_load(stories: str, tmp_path: Path) -> None:
+    """LLaVA-NeXT (image tiles, newline features) has no conformance test on lmdock-hf: refused, saying why."""
     import transformers
 
-    cfg = transformers.Gemma3Config(text_config=TEXT, mm_tokens_per_image=4, vision_config={
-        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14})
-    path = _save_with_tokenizer(transformers.Gemma3ForConditionalGeneration(cfg), tmp_path / "gemma3", stories)
-    with pytest.raises(UnsupportedError, match="bidirectionally"):
+    tower = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+    cfg = transformers.LlavaNextConfig(text_config={**TEXT, "model_type": "llama"}, vision_config={**tower, "model_type": "clip_vision_model"},
+                                       image_grid_pinpoints=[[28, 28]], image_token_id=512)
+    path = _save_with_tokenizer(transformers.LlavaNextForConditionalGeneration(cfg), tmp_path / "llava_next", stories)
+    with pytest.raises(UnsupportedError, match="llava_next.*not checked against transformers"):
         LLM(path, backend="hf")
+
+
+def test_gemma3_image_split_across_prefill_chunks(tmp_path: Path) -> None:
+    """Gemma 3's image tokens attend to each other both ways: prefill chunks of 3 tokens would cut the
+    image (4 tokens) apart, so lmdock-hf runs on to the image's end.  Greedy tokens and every prompt
+    logprob equal transformers' (its forward over the whole prompt, where the image's tokens see each other)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    path = str(build("gemma3", tmp_path / "gemma3"))
+    image = seeded_image(34)
+    prompt = f"Once upon a time {PLACEHOLDERS['gemma3']} there was"
+    with LLM(path, backend="hf", max_num_batched_tokens=3) as llm:
+        out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, {**GREEDY, "prompt_logprobs": 0})[0]
+    assert list(out.outputs[0].token_ids) == _transformers(path, prompt, [image])
+    inputs = load_processor(path)(text=[prompt], images=[image], return_tensors="pt")
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = torch.log_softmax(model(**inputs).logits[0].float(), dim=-1)
+    ids = inputs["input_ids"][0].tolist()
+    assert list(out.prompt_token_ids) == ids
+    got = [next(iter(d.values())).logprob if d else None for d in out.prompt_logprobs]
+    assert got[0] is None
+    assert got[1:] == pytest.approx([float(want[i - 1, t]) for i, t in enumerate(ids) if i > 0], abs=1e-4)
 
 
 def _png_header(width: int, height: int) -> bytes:

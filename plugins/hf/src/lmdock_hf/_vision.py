@@ -9,7 +9,8 @@ tokens are, as the model's own forward does with ``masked_scatter``.  The text s
 any prompt: slot cache, chunked prefill, continuous batching.
 
 The families run are LLaVA (CLIP tower, image features in place of ``<image>`` tokens), Idefics3 /
-SmolVLM, and Qwen2-VL / Qwen2.5-VL, whose multimodal rotary positions ``lmdock_hf._mrope`` carries.  Others are
+SmolVLM, Qwen2-VL / Qwen2.5-VL, whose multimodal rotary positions ``lmdock_hf._mrope`` carries, and
+Gemma 3, whose images attend bidirectionally within their tokens (``lmdock_hf._blocks``).  Others are
 refused at load with the reason (:data:`REFUSED`), never run with other tokens than transformers gives.
 """
 
@@ -21,18 +22,16 @@ from typing import Any
 import torch
 from lmdock import BackendError, RequestError, UnsupportedError
 
-from lmdock_hf import _mrope
+from lmdock_hf import _blocks, _mrope
 
 #: Vision-language families run exactly (their conformance tests hold them to transformers' generate).
-SUPPORTED = {"llava", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl"}
+SUPPORTED = {"llava", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "gemma3"}
 #: Families refused at load, with why.
-REFUSED = {
-    "gemma3": "Gemma 3 attends bidirectionally within each image's tokens, which lmdock-hf's causal slot-cache mask does not do yet",
-}
+REFUSED: dict[str, str] = {}
 #: Processor outputs that are the text side (the engine feeds token ids itself).
 _TEXT_KEYS = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"}
 #: Keys of ``processed`` that are the engine's, not the vision tower's inputs.
-_ENGINE_KEYS = {"image_positions", "mrope", "mrope_delta"}
+_ENGINE_KEYS = {"image_positions", "mrope", "mrope_delta", "blocks", "ids"}
 #: Processor classes whose video processor needs torchvision, built without it where it is missing.
 _IMAGES_ONLY = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
 #: Encoded images kept for later turns (each entry: one request's images, [tokens, hidden]).
@@ -70,6 +69,8 @@ class Vision:
         self._returns_dict = _is_v5()
         #: the multimodal rotary positions of each sequence (Qwen2-VL), or None
         self.mrope = _mrope.MRope() if cfg.model_type in _mrope.FAMILIES else None
+        #: where images attend bidirectionally (Gemma 3): the prefill chunks run on to an image block's end, or None
+        self.ahead = _blocks.Ahead() if cfg.model_type in _blocks.FAMILIES else None
 
     # -- in the submitting thread --------------------------------------------------------------------
 
@@ -90,6 +91,9 @@ class Vision:
         if self.mrope is not None:
             types = out["mm_token_type_ids"][0] if "mm_token_type_ids" in out else (ids == self.image_token_id).int()
             _mrope.prompt_positions(self.model, ids, data.processed, types)
+        if self.ahead is not None:
+            data.processed["blocks"] = _blocks.prompt_blocks(ids, self.image_token_id)
+            data.processed["ids"] = ids.tolist()
         return ids.tolist()
 
     def _placeholder(self) -> str:
