@@ -29,6 +29,22 @@ _TEXT = {"vocab_size": VOCAB + 1, "hidden_size": 64, "intermediate_size": 128, "
          "pad_token_id": 0, "tie_word_embeddings": False}
 #: families the builders make, and the transformers model_type of each
 FAMILIES = {"llava": "llava", "idefics3": "idefics3", "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "gemma3": "gemma3"}
+#: families built from a transformers release on (their configs, processors and tokenizer
+#: attributes as used here); with an earlier transformers FAMILIES leaves them out
+SINCE = {"qwen2_vl": (5, 24), "qwen2_5_vl": (5, 24), "gemma3": (5, 24)}
+
+
+def _transformers_version() -> tuple[int, int]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = version("transformers").split(".")[:2]
+    except PackageNotFoundError:
+        return (0, 0)
+    return int(major), int(minor)
+
+
+FAMILIES = {k: v for k, v in FAMILIES.items() if _transformers_version() >= SINCE.get(k, (0, 0))}
 #: what a prompt writes where an image goes, per family (the model's processor expands it)
 PLACEHOLDERS = {"llava": "<image>", "idefics3": "<image>", "qwen2_vl": _QWEN_IMAGE, "qwen2_5_vl": _QWEN_IMAGE, "gemma3": "<start_of_image>"}
 #: Gemma 3's named special tokens (its processor reads them off the tokenizer); the image token at id VOCAB

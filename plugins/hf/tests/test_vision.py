@@ -18,6 +18,7 @@ import pytest
 from lmdock import LLM, RequestError, UnsupportedError
 from lmdock._llm.multimodal import ImageLimits, load_image
 from lmdock_conformance.zoo_vision import PLACEHOLDERS, build, load_processor, seeded_image
+from lmdock_hf._vision import SINCE, _version
 
 GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
 TEXT = {"vocab_size": 520, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -45,10 +46,36 @@ def test_second_turn_reuses_the_encoded_image(llava: Any) -> None:
 
 
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, str]]:
+def qwen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, str] | None]:
+    """lmdock-hf on the tiny Qwen2-VL; None before transformers 5.24 (see :func:`_refused_here`)."""
+    if _version() < SINCE["qwen2_vl"]:
+        yield None
+        return
     path = str(build("qwen2_vl", tmp_path_factory.mktemp("qwen2_vl")))
     with LLM(path, backend="hf") as llm:
         yield llm, path
+
+
+def _refused_here(family: str, stories: str, tmp_path: Path) -> bool:
+    """Before the transformers release lmdock-hf runs ``family`` from, it refuses it at load, saying
+    so: assert that (on a model built from its config: the zoo builds from that release on) and
+    return True; else False."""
+    import transformers
+
+    if _version() >= SINCE[family]:
+        return False
+    if family == "qwen2_vl":
+        cfg = transformers.Qwen2VLConfig(text_config={**TEXT, "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]}},
+                                         vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2})
+        model = transformers.Qwen2VLForConditionalGeneration(cfg)
+    else:
+        cfg = transformers.Gemma3Config(text_config=TEXT, mm_tokens_per_image=4, vision_config={
+            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14})
+        model = transformers.Gemma3ForConditionalGeneration(cfg)
+    path = _save_with_tokenizer(model, tmp_path / family, stories)
+    with pytest.raises(UnsupportedError, match=f"{family}.*upgrade transformers"):
+        LLM(path, backend="hf")
+    return True
 
 
 def _transformers(path: str, prompt: str, images: list[Any]) -> list[int]:
@@ -63,10 +90,13 @@ def _transformers(path: str, prompt: str, images: list[Any]) -> list[int]:
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
-def test_qwen2_vl_second_turn_from_the_prefix_cache(qwen: tuple[Any, str]) -> None:
+def test_qwen2_vl_second_turn_from_the_prefix_cache(qwen: tuple[Any, str] | None, stories: str, tmp_path: Path) -> None:
     """Qwen2-VL's multimodal rotary positions survive the prefix cache: a longer second turn over the
     same image reuses the first turn's KV state (image tokens at their grid positions) and its new
     tokens, at index + the image's offset, give transformers' tokens."""
+    if _refused_here("qwen2_vl", stories, tmp_path):
+        return
+    assert qwen is not None
     llm, path = qwen
     image = seeded_image(31, (60, 40))
     first = f"Once upon a time {PLACEHOLDERS['qwen2_vl']} there"
@@ -76,8 +106,11 @@ def test_qwen2_vl_second_turn_from_the_prefix_cache(qwen: tuple[Any, str]) -> No
     assert list(second.outputs[0].token_ids) == _transformers(path, first + " was a girl", [image])
 
 
-def test_qwen2_vl_forked_samples_keep_the_offset(qwen: tuple[Any, str]) -> None:
+def test_qwen2_vl_forked_samples_keep_the_offset(qwen: tuple[Any, str] | None, stories: str, tmp_path: Path) -> None:
     """``n=2`` greedy samples of one image prompt: both decode at the prompt's positions (a fork carries the offset)."""
+    if _refused_here("qwen2_vl", stories, tmp_path):
+        return
+    assert qwen is not None
     llm, path = qwen
     image = seeded_image(32)
     prompt = f"Once {PLACEHOLDERS['qwen2_vl']} upon a time"
@@ -86,9 +119,12 @@ def test_qwen2_vl_forked_samples_keep_the_offset(qwen: tuple[Any, str]) -> None:
     assert [list(o.token_ids) for o in out.outputs] == [want, want]
 
 
-def test_qwen2_vl_image_split_across_prefill_chunks(qwen: tuple[Any, str]) -> None:
+def test_qwen2_vl_image_split_across_prefill_chunks(qwen: tuple[Any, str] | None, stories: str, tmp_path: Path) -> None:
     """Prefill chunks of 4 tokens cut the image's tokens apart: each chunk takes its own slice of
     the prompt's 3-D positions (and of the image features)."""
+    if _refused_here("qwen2_vl", stories, tmp_path):
+        return
+    assert qwen is not None
     path = qwen[1]
     image = seeded_image(33, (60, 40))
     prompt = f"Once upon a time {PLACEHOLDERS['qwen2_vl']} there was"
@@ -127,10 +163,12 @@ def test_a_family_not_held_to_transformers_is_refused_at_load(stories: str, tmp_
         LLM(path, backend="hf")
 
 
-def test_gemma3_image_split_across_prefill_chunks(tmp_path: Path) -> None:
+def test_gemma3_image_split_across_prefill_chunks(stories: str, tmp_path: Path) -> None:
     """Gemma 3's image tokens attend to each other both ways: prefill chunks of 3 tokens would cut the
     image (4 tokens) apart, so lmdock-hf runs on to the image's end.  Greedy tokens and every prompt
     logprob equal transformers' (its forward over the whole prompt, where the image's tokens see each other)."""
+    if _refused_here("gemma3", stories, tmp_path):
+        return
     import torch
     from transformers import AutoModelForImageTextToText
 

@@ -28,6 +28,9 @@ from lmdock_hf import _blocks, _mrope
 SUPPORTED = {"llava", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "gemma3"}
 #: Families refused at load, with why.
 REFUSED: dict[str, str] = {}
+#: Families run from a transformers release on: the one their conformance tests hold them to (the
+#: multimodal position and mask code and the processors differ in earlier releases).
+SINCE = {"qwen2_vl": (5, 24), "qwen2_5_vl": (5, 24), "gemma3": (5, 24)}
 #: Processor outputs that are the text side (the engine feeds token ids itself).
 _TEXT_KEYS = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"}
 #: Keys of ``processed`` that are the engine's, not the vision tower's inputs.
@@ -45,6 +48,12 @@ def is_vision_config(config: Any) -> bool:
 def check_family(config: Any, model: str) -> None:
     """Refuse at load a vision-language family lmdock-hf would run differently from transformers."""
     family = str(config.model_type)
+    if family in SINCE and _version() < SINCE[family]:
+        import transformers
+
+        raise UnsupportedError(f"{model!r} ({family}): lmdock-hf runs this vision-language family from transformers "
+                               f"{'.'.join(map(str, SINCE[family]))} on (its image positions and masks are checked against that "
+                               f"release's generate); this is transformers {transformers.__version__}: upgrade transformers")
     if family in SUPPORTED:
         return
     reason = REFUSED.get(family, f"its image inputs are not checked against transformers in lmdock-hf (it runs "
@@ -139,9 +148,14 @@ class Vision:
 
 
 def _is_v5() -> bool:
+    return _version() >= (5, 0)
+
+
+def _version() -> tuple[int, int]:
     import transformers
 
-    return int(transformers.__version__.split(".")[0]) >= 5
+    major, minor = transformers.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 def _on(value: Any, model: Any) -> Any:
