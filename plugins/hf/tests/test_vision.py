@@ -1,6 +1,8 @@
 """lmdock-hf's image side beyond the conformance suite's exact tokens (lmdock_conformance.test_vision):
-a second turn over the same image runs the vision tower once, families it cannot run exactly are
-refused at load with why, and bad images are refused from the header with nothing held afterwards."""
+a second turn over the same image runs the vision tower once; Qwen2-VL's multimodal rotary positions
+through the prefix cache, forks and prefill chunks that cut an image apart; Gemma 3's bidirectional
+image tokens through prefill chunks that would cut them apart (prompt logprobs too); bad images are
+refused from the header with nothing held afterwards."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from typing import Any
 import pytest
 from lmdock import LLM, RequestError, UnsupportedError
 from lmdock._llm.multimodal import ImageLimits, load_image
-from lmdock_conformance.zoo_vision import build, seeded_image
+from lmdock_conformance.zoo_vision import PLACEHOLDERS, build, load_processor, seeded_image
+from lmdock_hf._vision import SINCE, _version
 
 GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
 TEXT = {"vocab_size": 520, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -42,6 +45,94 @@ def test_second_turn_reuses_the_encoded_image(llava: Any) -> None:
     assert vision.encodes == runs + 1  # another image is encoded
 
 
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, str] | None]:
+    """lmdock-hf on the tiny Qwen2-VL; None before transformers 5.24 (see :func:`_refused_here`)."""
+    if _version() < SINCE["qwen2_vl"]:
+        yield None
+        return
+    path = str(build("qwen2_vl", tmp_path_factory.mktemp("qwen2_vl")))
+    with LLM(path, backend="hf") as llm:
+        yield llm, path
+
+
+def _refused_here(family: str, stories: str, tmp_path: Path) -> bool:
+    """Before the transformers release lmdock-hf runs ``family`` from, it refuses it at load, saying
+    so: assert that (on a model built from its config: the zoo builds from that release on) and
+    return True; else False."""
+    import transformers
+
+    if _version() >= SINCE[family]:
+        return False
+    if family == "qwen2_vl":
+        cfg = transformers.Qwen2VLConfig(text_config={**TEXT, "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]}},
+                                         vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2})
+        model = transformers.Qwen2VLForConditionalGeneration(cfg)
+    else:
+        cfg = transformers.Gemma3Config(text_config=TEXT, mm_tokens_per_image=4, vision_config={
+            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14})
+        model = transformers.Gemma3ForConditionalGeneration(cfg)
+    path = _save_with_tokenizer(model, tmp_path / family, stories)
+    with pytest.raises(UnsupportedError, match=f"{family}.*upgrade transformers"):
+        LLM(path, backend="hf")
+    return True
+
+
+def _transformers(path: str, prompt: str, images: list[Any]) -> list[int]:
+    """transformers' greedy tokens (``generate`` on the model's processor's outputs)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    inputs = load_processor(path)(text=[prompt], images=images, return_tensors="pt")
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=GREEDY["max_tokens"], do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_qwen2_vl_second_turn_from_the_prefix_cache(qwen: tuple[Any, str] | None, stories: str, tmp_path: Path) -> None:
+    """Qwen2-VL's multimodal rotary positions survive the prefix cache: a longer second turn over the
+    same image reuses the first turn's KV state (image tokens at their grid positions) and its new
+    tokens, at index + the image's offset, give transformers' tokens."""
+    if _refused_here("qwen2_vl", stories, tmp_path):
+        return
+    assert qwen is not None
+    llm, path = qwen
+    image = seeded_image(31, (60, 40))
+    first = f"Once upon a time {PLACEHOLDERS['qwen2_vl']} there"
+    llm.generate({"prompt": first, "multi_modal_data": {"image": image}}, GREEDY)
+    second = llm.generate({"prompt": first + " was a girl", "multi_modal_data": {"image": image}}, GREEDY)[0]
+    assert second.num_cached_tokens > 0
+    assert list(second.outputs[0].token_ids) == _transformers(path, first + " was a girl", [image])
+
+
+def test_qwen2_vl_forked_samples_keep_the_offset(qwen: tuple[Any, str] | None, stories: str, tmp_path: Path) -> None:
+    """``n=2`` greedy samples of one image prompt: both decode at the prompt's positions (a fork carries the offset)."""
+    if _refused_here("qwen2_vl", stories, tmp_path):
+        return
+    assert qwen is not None
+    llm, path = qwen
+    image = seeded_image(32)
+    prompt = f"Once {PLACEHOLDERS['qwen2_vl']} upon a time"
+    out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, {**GREEDY, "n": 2})[0]
+    want = _transformers(path, prompt, [image])
+    assert [list(o.token_ids) for o in out.outputs] == [want, want]
+
+
+def test_qwen2_vl_image_split_across_prefill_chunks(qwen: tuple[Any, str] | None, stories: str, tmp_path: Path) -> None:
+    """Prefill chunks of 4 tokens cut the image's tokens apart: each chunk takes its own slice of
+    the prompt's 3-D positions (and of the image features)."""
+    if _refused_here("qwen2_vl", stories, tmp_path):
+        return
+    assert qwen is not None
+    path = qwen[1]
+    image = seeded_image(33, (60, 40))
+    prompt = f"Once upon a time {PLACEHOLDERS['qwen2_vl']} there was"
+    with LLM(path, backend="hf", max_num_batched_tokens=4) as llm:
+        out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, GREEDY)[0]
+    assert list(out.outputs[0].token_ids) == _transformers(path, prompt, [image])
+
+
 def test_a_text_model_given_an_image_is_refused(llm: Any) -> None:
     with pytest.raises(RequestError, match="no vision encoder"):
         llm.generate({"prompt": "Once upon a time", "multi_modal_data": {"image": seeded_image(1)}}, GREEDY)
@@ -60,21 +151,42 @@ def _save_with_tokenizer(model: Any, target: Path, stories: str) -> str:
     return str(target)
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "gemma3"])
-def test_families_it_cannot_run_exactly_are_refused_at_load(family: str, stories: str, tmp_path: Path) -> None:
+def test_a_family_not_held_to_transformers_is_refused_at_load(stories: str, tmp_path: Path) -> None:
+    """LLaVA-NeXT (image tiles, newline features) has no conformance test on lmdock-hf: refused, saying why."""
     import transformers
 
-    if family == "qwen2_vl":
-        cfg = transformers.Qwen2VLConfig(text_config={**TEXT, "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]}},
-                                         vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2})
-        model, why = transformers.Qwen2VLForConditionalGeneration(cfg), "multimodal rotary positions"
-    else:
-        cfg = transformers.Gemma3Config(text_config=TEXT, mm_tokens_per_image=4, vision_config={
-            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14})
-        model, why = transformers.Gemma3ForConditionalGeneration(cfg), "bidirectionally"
-    path = _save_with_tokenizer(model, tmp_path / family, stories)
-    with pytest.raises(UnsupportedError, match=why):
+    tower = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+    cfg = transformers.LlavaNextConfig(text_config={**TEXT, "model_type": "llama"}, vision_config={**tower, "model_type": "clip_vision_model"},
+                                       image_grid_pinpoints=[[28, 28]], image_token_id=512)
+    path = _save_with_tokenizer(transformers.LlavaNextForConditionalGeneration(cfg), tmp_path / "llava_next", stories)
+    with pytest.raises(UnsupportedError, match="llava_next.*not checked against transformers"):
         LLM(path, backend="hf")
+
+
+def test_gemma3_image_split_across_prefill_chunks(stories: str, tmp_path: Path) -> None:
+    """Gemma 3's image tokens attend to each other both ways: prefill chunks of 3 tokens would cut the
+    image (4 tokens) apart, so lmdock-hf runs on to the image's end.  Greedy tokens and every prompt
+    logprob equal transformers' (its forward over the whole prompt, where the image's tokens see each other)."""
+    if _refused_here("gemma3", stories, tmp_path):
+        return
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    path = str(build("gemma3", tmp_path / "gemma3"))
+    image = seeded_image(34)
+    prompt = f"Once upon a time {PLACEHOLDERS['gemma3']} there was"
+    with LLM(path, backend="hf", max_num_batched_tokens=3) as llm:
+        out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, {**GREEDY, "prompt_logprobs": 0})[0]
+    assert list(out.outputs[0].token_ids) == _transformers(path, prompt, [image])
+    inputs = load_processor(path)(text=[prompt], images=[image], return_tensors="pt")
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = torch.log_softmax(model(**inputs).logits[0].float(), dim=-1)
+    ids = inputs["input_ids"][0].tolist()
+    assert list(out.prompt_token_ids) == ids
+    got = [next(iter(d.values())).logprob if d else None for d in out.prompt_logprobs]
+    assert got[0] is None
+    assert got[1:] == pytest.approx([float(want[i - 1, t]) for i, t in enumerate(ids) if i > 0], abs=1e-4)
 
 
 def _png_header(width: int, height: int) -> bytes:

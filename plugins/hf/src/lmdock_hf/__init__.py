@@ -69,7 +69,7 @@ SPEC = BackendSpec(
                         "structured_output", "tools", "embed", "score", "offload", "quantization", "lora",
                         # every model feature transformers implements: lmdock-conformance's family tests hold each to its generate
                         "sliding_window", "attention_sinks", "logit_softcapping", "recurrent_state", "moe",
-                        # images: LLaVA and Idefics3 / SmolVLM; other vision families are refused at load (lmdock_hf._vision)
+                        # images: LLaVA, Idefics3 / SmolVLM, Qwen2-VL / Qwen2.5-VL, Gemma 3; other vision families are refused at load (lmdock_hf._vision)
                         "vision"}) - frozenset(_LACKS),
     lacks=_LACKS,
     # |prompt logprob - transformers float32| on the conformance reference; measured 0.0038, 0.0023, 0.118

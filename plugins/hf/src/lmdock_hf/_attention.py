@@ -12,6 +12,9 @@ keywords transformers passes the attention function:
 - ``softcap`` (Gemma 2's ``attn_logit_softcapping``): scores go through ``tanh`` before the mask;
 - ``s_aux`` (gpt-oss's attention sinks): a per-head logit that joins the softmax and is dropped.
 
+A forward may also carry image blocks (Gemma 3, ``lmdock_hf._blocks``): a query in an image's tokens
+also sees the later keys of that image (transformers' ``blockwise_overlay``); a window still applies.
+
 The row positions come from :func:`positions`, which the engine enters around each forward.  A
 sliding layer whose slot cache holds only its window (a ring, ``lmdock_hf._window``) reads keys that
 are not at positions ``0 .. kv_len - 1``: the cache's ``update``, called by the layer just before its
@@ -28,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lmdock import BackendError
 
+from lmdock_hf._window import same_block
+
 if TYPE_CHECKING:
     from lmdock_hf._window import Keys
 
@@ -40,19 +45,22 @@ class _Forward(threading.local):
     pos: torch.Tensor | None = None  # [rows, width] the query positions
     masks: dict[int, torch.Tensor] | None = None  # window (0: none) -> additive mask, built once per forward
     ring: Keys | None = None  # the keys of the ring layer whose attention runs next (set by its cache update)
+    blocks: torch.Tensor | None = None  # [positions] the image block of each position (-1: none), or None
 
 
 _now = _Forward()
 
 
 @contextmanager
-def positions(pos: torch.Tensor) -> Iterator[None]:
-    """Around one forward: its rows' query positions (keys are at positions 0 .. kv_len - 1)."""
-    _now.pos, _now.masks = pos, {}
+def positions(pos: torch.Tensor, blocks: torch.Tensor | None = None) -> Iterator[None]:
+    """Around one forward: its rows' query positions (keys are at positions 0 .. kv_len - 1), and
+    the image block of each position where its images attend bidirectionally (one row then)."""
+    _now.pos, _now.masks, _now.blocks = pos, {}, blocks
     try:
         yield
     finally:
-        _now.pos, _now.masks = None, None
+        _now.pos, _now.masks, _now.blocks = None, None, None
+
 
 
 def layer_mask(keys: Keys | None) -> None:
@@ -72,15 +80,17 @@ def _ring_mask(query: torch.Tensor, sliding_window: int | None) -> tuple[bool, t
             f"layer_types / sliding_window), but the layer attends with sliding_window={sliding_window}: the model's "
             "layers do not follow its config; please report the model to lmdock"
         )
-    return True, ring.mask(query.dtype)
+    return True, ring.mask(query.dtype, _now.blocks)
 
 
-def row_mask(pos: torch.Tensor, kv_len: int, dtype: torch.dtype, window: int = 0) -> torch.Tensor:
+def row_mask(pos: torch.Tensor, kv_len: int, dtype: torch.dtype, window: int = 0, blocks: torch.Tensor | None = None) -> torch.Tensor:
     """``[rows, 1, width, kv_len]`` additive: row ``r``'s query at ``pos[r, i]`` sees key ``k`` when
-    ``k <= pos`` (and ``k > pos - window`` for a window)."""
+    ``k <= pos`` or both lie in one image block of ``blocks`` (and ``k > pos - window`` for a window)."""
     keys = torch.arange(kv_len, device=pos.device)[None, None, :]
     q = pos[:, :, None]
     allowed = keys <= q
+    if blocks is not None:
+        allowed = allowed | same_block(pos, keys[0].expand(pos.shape[0], -1), blocks)
     if window:
         allowed &= keys > q - window
     mask = torch.zeros(allowed.shape, dtype=dtype, device=pos.device)
@@ -99,7 +109,7 @@ def _mask_for(query: torch.Tensor, key: torch.Tensor, given: torch.Tensor | None
     masks = _now.masks
     assert masks is not None  # noqa: S101 - set together with pos
     if window not in masks:
-        masks[window] = row_mask(_now.pos, kv_len, query.dtype, window)
+        masks[window] = row_mask(_now.pos, kv_len, query.dtype, window, _now.blocks)
     return masks[window]
 
 
@@ -108,7 +118,7 @@ def _causal(query: torch.Tensor, key: torch.Tensor, given: torch.Tensor | None) 
     if given is not None or query.shape[2] == 1:
         return given
     pos = _now.pos if _now.pos is not None else torch.arange(query.shape[2], device=query.device)[None]
-    return row_mask(pos, key.shape[2], query.dtype)
+    return row_mask(pos, key.shape[2], query.dtype, blocks=_now.blocks)
 
 
 def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,

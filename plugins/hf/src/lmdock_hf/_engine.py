@@ -113,6 +113,11 @@ class HFStepEngine(StepEngineBase):
     # KV tensors are inference tensors: every method that touches them runs in inference mode.
     @torch.inference_mode()
     def step(self, chunks: Sequence[SeqChunk]) -> StepOutput:
+        if self.vision is not None and self.vision.ahead is not None:  # Gemma 3: never cut an image block (``_blocks``)
+            return self.vision.ahead.step(self._step, chunks, self.vocab_size, self.device)
+        return self._step(chunks)
+
+    def _step(self, chunks: Sequence[SeqChunk]) -> StepOutput:
         cache = self.cache
         for c in chunks:
             cache.slot(c.seq_id)
@@ -171,14 +176,17 @@ class HFStepEngine(StepEngineBase):
         # a prompt's chunk with images: its embeddings, image features in place of image tokens
         text = {"input_ids": ids} if chunks[0].multi_modal is None else {"inputs_embeds": self.vision.embeds(chunks[0], ids)}
         pos = view.start_t[:, None] + torch.arange(width, device=self.device)[None, :]
+        # the model's rotary positions: the cache positions, or Qwen2-VL's three streams (``_mrope``)
+        rope = pos if self.vision is None or self.vision.mrope is None else self.vision.mrope.positions(chunks, pos)
+        blocks = self._blocks(chunks[0])
         if self.adapters:  # LoRA: which rows of this forward run under which adapter
             self.adapters.select([c.lora for c in chunks])
         try:
-            with positions(pos):
+            with positions(pos, blocks):
                 out = self.model(
                     **text,
-                    attention_mask=self._mask(pos, kv_len, starts, width),
-                    position_ids=pos,
+                    attention_mask=self._mask(pos, kv_len, starts, width, blocks),
+                    position_ids=rope,
                     use_cache=True,
                     **{self.cache_kw: view},
                     logits_to_keep=0 if all_logits else 1,
@@ -191,8 +199,16 @@ class HFStepEngine(StepEngineBase):
         logits = out.logits.float()
         return logits if all_logits else logits[:, -1]
 
-    def _mask(self, pos: torch.Tensor, kv_len: int, starts: list[int], width: int) -> torch.Tensor | None:
+    def _blocks(self, chunk: SeqChunk) -> torch.Tensor | None:
+        """A Gemma 3 prompt chunk's image blocks (``lmdock_hf._blocks``), on the device; else None."""
+        if chunk.multi_modal is None or "blocks" not in chunk.multi_modal.processed:
+            return None
+        return chunk.multi_modal.processed["blocks"].to(self.device)
+
+    def _mask(self, pos: torch.Tensor, kv_len: int, starts: list[int], width: int, blocks: torch.Tensor | None = None) -> torch.Tensor | None:
         """The additive 4D mask; None where our attention needs none (see ``lmdock_hf._attention``)."""
+        if blocks is not None:  # an image's tokens see each other both ways
+            return row_mask(pos, kv_len, self.dtype, blocks=blocks)
         if self.model.config._attn_implementation == ATTENTION:
             if width == 1 and all(a + 1 == kv_len for a in starts):
                 return None  # every row sees all its keys
@@ -205,6 +221,10 @@ class HFStepEngine(StepEngineBase):
     @torch.inference_mode()
     def release(self, seq_id: int) -> None:
         self.cache.release(seq_id)
+        if self.vision is not None and self.vision.mrope is not None:
+            self.vision.mrope.release(seq_id)
+        if self.vision is not None and self.vision.ahead is not None:
+            self.vision.ahead.release(seq_id)
 
     @torch.inference_mode()
     def fork(self, src_seq_id: int, dst_seq_id: int, length: int) -> bool:
@@ -213,6 +233,8 @@ class HFStepEngine(StepEngineBase):
         if not self.cache.holds(src_seq_id, length):
             return False  # a sliding layer's ring has moved past the window ``length`` needs (``_window``)
         self.cache.copy(src_seq_id, dst_seq_id, length)
+        if self.vision is not None and self.vision.mrope is not None:
+            self.vision.mrope.fork(src_seq_id, dst_seq_id)
         return True
 
     def truncate(self, seq_id: int, length: int) -> bool:

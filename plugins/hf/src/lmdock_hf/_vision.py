@@ -8,9 +8,10 @@ prefill chunk takes the token embeddings of its ids and puts the image features 
 tokens are, as the model's own forward does with ``masked_scatter``.  The text side then runs as
 any prompt: slot cache, chunked prefill, continuous batching.
 
-Only families whose positions and attention are those of a text prompt are run: LLaVA (CLIP tower,
-image features in place of ``<image>`` tokens) and Idefics3 / SmolVLM.  Others are refused at
-load with the reason (:data:`REFUSED`), never run with other tokens than transformers gives.
+The families run are LLaVA (CLIP tower, image features in place of ``<image>`` tokens), Idefics3 /
+SmolVLM, Qwen2-VL / Qwen2.5-VL, whose multimodal rotary positions ``lmdock_hf._mrope`` carries, and
+Gemma 3, whose images attend bidirectionally within their tokens (``lmdock_hf._blocks``).  Others are
+refused at load with the reason (:data:`REFUSED`), never run with other tokens than transformers gives.
 """
 
 from __future__ import annotations
@@ -21,18 +22,21 @@ from typing import Any
 import torch
 from lmdock import BackendError, RequestError, UnsupportedError
 
+from lmdock_hf import _blocks, _mrope
+
 #: Vision-language families run exactly (their conformance tests hold them to transformers' generate).
-SUPPORTED = {"llava", "idefics3", "smolvlm"}
+SUPPORTED = {"llava", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "gemma3"}
 #: Families refused at load, with why.
-REFUSED = {
-    "qwen2_vl": "Qwen2-VL places image tokens with multimodal rotary positions (3-D mrope position ids), which lmdock-hf's "
-                "per-row 1-D positions do not carry yet",
-    "qwen2_5_vl": "Qwen2.5-VL places image tokens with multimodal rotary positions (3-D mrope position ids), which lmdock-hf's "
-                  "per-row 1-D positions do not carry yet",
-    "gemma3": "Gemma 3 attends bidirectionally within each image's tokens, which lmdock-hf's causal slot-cache mask does not do yet",
-}
+REFUSED: dict[str, str] = {}
+#: Families run from a transformers release on: the one their conformance tests hold them to (the
+#: multimodal position and mask code and the processors differ in earlier releases).
+SINCE = {"qwen2_vl": (5, 24), "qwen2_5_vl": (5, 24), "gemma3": (5, 24)}
 #: Processor outputs that are the text side (the engine feeds token ids itself).
 _TEXT_KEYS = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"}
+#: Keys of ``processed`` that are the engine's, not the vision tower's inputs.
+_ENGINE_KEYS = {"image_positions", "mrope", "mrope_delta", "blocks", "ids"}
+#: Processor classes whose video processor needs torchvision, built without it where it is missing.
+_IMAGES_ONLY = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
 #: Encoded images kept for later turns (each entry: one request's images, [tokens, hidden]).
 _CACHED = 32
 
@@ -44,6 +48,12 @@ def is_vision_config(config: Any) -> bool:
 def check_family(config: Any, model: str) -> None:
     """Refuse at load a vision-language family lmdock-hf would run differently from transformers."""
     family = str(config.model_type)
+    if family in SINCE and _version() < SINCE[family]:
+        import transformers
+
+        raise UnsupportedError(f"{model!r} ({family}): lmdock-hf runs this vision-language family from transformers "
+                               f"{'.'.join(map(str, SINCE[family]))} on (its image positions and masks are checked against that "
+                               f"release's generate); this is transformers {transformers.__version__}: upgrade transformers")
     if family in SUPPORTED:
         return
     reason = REFUSED.get(family, f"its image inputs are not checked against transformers in lmdock-hf (it runs "
@@ -66,6 +76,10 @@ class Vision:
         self.encodes = 0
         # transformers 4.x returns the features themselves and takes no return_dict (a TypeError there)
         self._returns_dict = _is_v5()
+        #: the multimodal rotary positions of each sequence (Qwen2-VL), or None
+        self.mrope = _mrope.MRope() if cfg.model_type in _mrope.FAMILIES else None
+        #: where images attend bidirectionally (Gemma 3): the prefill chunks run on to an image block's end, or None
+        self.ahead = _blocks.Ahead() if cfg.model_type in _blocks.FAMILIES else None
 
     # -- in the submitting thread --------------------------------------------------------------------
 
@@ -83,6 +97,12 @@ class Vision:
         ids = out["input_ids"][0]
         data.processed = {k: v for k, v in out.items() if k not in _TEXT_KEYS}
         data.processed["image_positions"] = (ids == self.image_token_id).nonzero().flatten()
+        if self.mrope is not None:
+            types = out["mm_token_type_ids"][0] if "mm_token_type_ids" in out else (ids == self.image_token_id).int()
+            _mrope.prompt_positions(self.model, ids, data.processed, types)
+        if self.ahead is not None:
+            data.processed["blocks"] = _blocks.prompt_blocks(ids, self.image_token_id)
+            data.processed["ids"] = ids.tolist()
         return ids.tolist()
 
     def _placeholder(self) -> str:
@@ -111,7 +131,7 @@ class Vision:
         if found is not None:
             self.features.move_to_end(data.key)
             return found
-        inputs = {k: _on(v, self.model) for k, v in data.processed.items() if k != "image_positions"}
+        inputs = {k: _on(v, self.model) for k, v in data.processed.items() if k not in _ENGINE_KEYS}
         if self._returns_dict:  # transformers 5: a ModelOutput whose pooler_output holds the features
             inputs["return_dict"] = True
         out = self.model.get_image_features(**inputs)
@@ -128,9 +148,14 @@ class Vision:
 
 
 def _is_v5() -> bool:
+    return _version() >= (5, 0)
+
+
+def _version() -> tuple[int, int]:
     import transformers
 
-    return int(transformers.__version__.split(".")[0]) >= 5
+    major, minor = transformers.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 def _on(value: Any, model: Any) -> Any:
@@ -144,8 +169,29 @@ def _on(value: Any, model: Any) -> Any:
 def load(model: Any, mc: Any) -> Vision:
     from transformers import AutoProcessor
 
+    where = {"trust_remote_code": mc.trust_remote_code, "revision": mc.revision}
     try:
-        processor = AutoProcessor.from_pretrained(mc.tokenizer or mc.model, trust_remote_code=mc.trust_remote_code, revision=mc.revision)
-    except (OSError, ValueError) as exc:
+        try:
+            processor = AutoProcessor.from_pretrained(mc.tokenizer or mc.model, **where)
+        except ImportError:  # a video processor that needs torchvision; lmdock reads images only
+            if model.config.model_type not in _IMAGES_ONLY:
+                raise
+            processor = _images_only(model.config.model_type, mc.tokenizer or mc.model, where)
+    except (OSError, ValueError, ImportError) as exc:
         raise BackendError(f"lmdock-hf could not load the image processor of {mc.model!r}: {exc}") from exc
     return Vision(model, processor)
+
+
+def _images_only(family: str, folder: str, where: dict[str, Any]) -> Any:
+    """The family's processor class over its image processor and tokenizer, without a video processor."""
+    import transformers
+
+    cls = getattr(transformers, _IMAGES_ONLY[family])
+
+    class ImagesOnly(cls):  # type: ignore[misc,valid-type]
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
+
+    tok = transformers.AutoTokenizer.from_pretrained(folder, **where)
+    images = transformers.AutoImageProcessor.from_pretrained(folder, **where)
+    return ImagesOnly(image_processor=images, tokenizer=tok, video_processor=None, chat_template=tok.chat_template)

@@ -44,12 +44,25 @@ def entry_positions(last: torch.Tensor, size: int, ring: int) -> torch.Tensor:
     return last[:, None] - torch.remainder(last[:, None] - j[None, :], ring)
 
 
-def mask(queries: torch.Tensor, keys: torch.Tensor, window: int, dtype: torch.dtype) -> torch.Tensor:
+def same_block(queries: torch.Tensor, keys: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``[rows, width, n]``: the query at ``queries[r, i]`` and the key at ``keys[r, j]`` (token
+    positions; negative: an empty ring entry) lie in one image block."""
+    def block(p: torch.Tensor) -> torch.Tensor:
+        inside = (p >= 0) & (p < len(blocks))
+        return torch.where(inside, blocks[p.clamp(0, len(blocks) - 1)], -1)
+
+    q, k = block(queries)[:, :, None], block(keys)[:, None, :]
+    return (q == k) & (q >= 0)
+
+
+def mask(queries: torch.Tensor, keys: torch.Tensor, window: int, dtype: torch.dtype, blocks: torch.Tensor | None = None) -> torch.Tensor:
     """``[rows, 1, width, n]`` additive: a query at ``queries[r, i]`` sees the key at token position
-    ``keys[r, j]`` when ``q - window < k <= q`` (a negative key position is an empty entry)."""
+    ``keys[r, j]`` when ``q - window < k <= q``, or ``k > q - window`` in the query's image block of
+    ``blocks`` (a negative key position is an empty entry)."""
     q = queries[:, :, None]
     k = keys[:, None, :]
-    allowed = (k >= 0) & (k <= q) & (k > q - window)
+    seen = k <= q if blocks is None else (k <= q) | same_block(queries, keys, blocks)
+    allowed = (k >= 0) & seen & (k > q - window)
     out = torch.zeros(allowed.shape, dtype=dtype, device=queries.device)
     out.masked_fill_(~allowed, torch.finfo(dtype).min)
     return out[:, None]
@@ -64,7 +77,11 @@ class Keys:
         self.window, self.queries, self.keys = window, queries, keys
         self._masks: dict[torch.dtype, torch.Tensor] = {}
 
-    def mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+    def mask(self, dtype: torch.dtype, blocks: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``blocks``: the forward's image blocks (its queries see their block's later keys)."""
+        if blocks is not None:  # the keys of a chunk from position 0 are its queries
+            keys = self.keys if self.keys is not None else self.queries
+            return mask(self.queries, keys, self.window, dtype, blocks)
         if self.keys is None:
             return None
         if dtype not in self._masks:
