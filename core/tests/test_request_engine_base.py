@@ -228,3 +228,30 @@ def test_the_loop_runs_a_scheduler_without_the_base_as_it_runs_fcfs(fake: Any) -
             outputs.append([[c.token_ids for c in o.outputs] for o in llm.generate(["abc", "xyz"], params)])
             assert llm.stats()["num_sequences_held"] == 0
     assert outputs[0] == outputs[1] and all(len(o) == 3 for o in outputs[0])
+
+
+def test_a_prompt_with_images_goes_through_the_engines_process_multimodal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``lmdock._llm.multimodal.prepare`` asks the facade's engine for the prompt's ids: a request
+    engine's default tokenizes the text as it is, an engine's own ``process_multimodal`` (an adapted
+    one's too) expands it; a step engine without one is refused with the base's reason.  (The images'
+    decoding, which needs pillow, is replaced by a FAKE here.)"""
+    from lmdock._engine.adapters import as_step_engine
+    from lmdock._llm import multimodal
+
+    monkeypatch.setattr(multimodal, "multimodal_data", lambda values, where, limits: ("DATA", len(values)))
+    vision = SimpleNamespace(name="v", capability=lambda name: (True, ""))
+    assert multimodal.prepare(Echo(), vision, "abc", [b"png"], True) == (FakeTokenizer().encode("abc"), ("DATA", 1))
+
+    class Expanding(LegacyEcho):
+        def process_multimodal(self, text: str, data: Any, add_special_tokens: bool) -> list[int]:
+            return [9] * data[1] + self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    assert multimodal.prepare(as_request_engine(Expanding()), vision, "ab", [b"1", b"2"], False)[0] == [9, 9, *FakeTokenizer().encode("ab", False)]
+    with pytest.raises(UnsupportedError, match=r"this step engine \(FakeStepEngine\) cannot read images"):
+        as_step_engine(FakeStepEngine()).process_multimodal("ab", None, True)
+
+    class Seeing(FakeStepEngine):
+        def process_multimodal(self, text: str, data: Any, add_special_tokens: bool) -> tuple[int, ...]:
+            return (7, *self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    assert as_step_engine(Seeing()).process_multimodal("ab", None, False) == [7, *FakeTokenizer().encode("ab", False)]

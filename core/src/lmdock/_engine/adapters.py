@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmdock._engine.request_engine import EngineKind, PoolingEngineBase, RequestEngineBase
 from lmdock._engine.scheduler import SchedulerBase
-from lmdock._engine.step_engine import NO_LORA_FIX, StepEngineBase
+from lmdock._engine.step_engine import NO_LORA_FIX, StepEngineBase, no_images
 from lmdock._plugin.errors import RequestError
 
 if TYPE_CHECKING:
@@ -100,7 +100,9 @@ class _AdaptedStep(StepEngineBase):
 
     def process_multimodal(self, text: str, data: Any, add_special_tokens: bool) -> list[int]:
         own = _own(self.wrapped, "process_multimodal")
-        return list(own(text, data, add_special_tokens)) if own is not None else super().process_multimodal(text, data, add_special_tokens)
+        if own is None:
+            raise no_images(type(self.wrapped).__name__)
+        return list(own(text, data, add_special_tokens))
 
     def thread_exit(self) -> None:
         own = _own(self.wrapped, "thread_exit")

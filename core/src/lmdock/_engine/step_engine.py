@@ -24,6 +24,12 @@ if TYPE_CHECKING:
 NO_LORA_FIX = "send the request without lora_request, or load the model on a backend that lists lora in `lmdock backends`"
 
 
+def no_images(engine: str) -> UnsupportedError:
+    """The refusal of a prompt with images by a step engine (class ``engine``) that cannot read them."""
+    return UnsupportedError(f"this step engine ({engine}) cannot read images; remove the images, or load "
+                            "a vision-language model on a backend that lists vision in `lmdock backends`")
+
+
 class StepEngineBase:
     """What a step backend's load hook returns, with the optional members filled in.
 
@@ -108,8 +114,7 @@ class StepEngineBase:
         ids with the image placeholders expanded as the model's processor does, ``data.processed``
         (``lmdock._llm.multimodal.MultiModalData``) filled for the prefill chunks to carry.  The
         default cannot read images."""
-        raise UnsupportedError(f"this step engine ({type(self).__name__}) cannot read images; remove the images, or load "
-                               "a vision-language model on a backend that lists vision in `lmdock backends`")
+        raise no_images(type(self).__name__)
 
     def thread_exit(self) -> None:
         """Called in the engine thread as it ends, for resources that belong to that thread (MLX streams)."""
