@@ -34,14 +34,15 @@ def _names(node: ast.expr) -> list[str]:
     return out
 
 
-def probes(path: Path) -> list[str]:
-    """``file:line call(first argument)`` for each ``hasattr``/``getattr`` of an engine or scheduler."""
+def probes(path: Path, root: Path = SRC) -> list[str]:
+    """``file:line call(first argument)`` for each ``hasattr``/``getattr`` of an engine or scheduler
+    (``file`` relative to ``root``)."""
     tree = ast.parse(path.read_text(), str(path))
     found = []
     for node in ast.walk(tree):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr")
                 and node.args and any(ENGINE_NAMES.search(n) for n in _names(node.args[0]))):
-            found.append(f"{path.relative_to(SRC)}:{node.lineno} {node.func.id}({ast.unparse(node.args[0])}, ...)")
+            found.append(f"{path.relative_to(root)}:{node.lineno} {node.func.id}({ast.unparse(node.args[0])}, ...)")
     return found
 
 
@@ -61,18 +62,13 @@ def test_the_probe_check_sees_a_probe(tmp_path: Path) -> None:
         "    c = hasattr(self.scheduler, 'capacity') or hasattr(draft, 'step')\n"
         "    return getattr(tok, 'chat_template', None)\n"  # a tokenizer: not an engine
     )
-    global SRC
-    saved, SRC = SRC, tmp_path
-    try:
-        assert probes(src) == [
-            "lmdock/m.py:2 hasattr(engine, ...)",
-            "lmdock/m.py:3 getattr(getattr(llm.engine, 'inner', None), ...)",
-            "lmdock/m.py:3 getattr(llm.engine, ...)",
-            "lmdock/m.py:4 hasattr(self.scheduler, ...)",
-            "lmdock/m.py:4 hasattr(draft, ...)",
-        ]
-    finally:
-        SRC = saved
+    assert probes(src, root=tmp_path) == [
+        "lmdock/m.py:2 hasattr(engine, ...)",
+        "lmdock/m.py:3 getattr(getattr(llm.engine, 'inner', None), ...)",
+        "lmdock/m.py:3 getattr(llm.engine, ...)",
+        "lmdock/m.py:4 hasattr(self.scheduler, ...)",
+        "lmdock/m.py:4 hasattr(draft, ...)",
+    ]
 
 
 def test_the_adapters_are_where_the_check_exempts() -> None:

@@ -93,22 +93,15 @@ class RequestEngineBase:
 
 
 class PoolingEngineBase:
-    """What a backend's load hook returns for an embedding model or a cross-encoder (see
-    ``lmdock.backend.PoolingEngine`` for the fields); the core wraps it in its pooling batcher.  A
-    subclass implements ``embed`` and sets the fields."""
+    """What a backend's load hook returns for an embedding model or a cross-encoder; the core wraps it in
+    its pooling batcher.  A subclass sets the fields of ``lmdock.backend.PoolingEngine`` (``tokenizer``,
+    ``max_seq_len``, ``task``, ``pooling_type``, ``normalize``, ``hidden_size``) and implements ``embed``
+    as that protocol says."""
 
     #: The kind the loader reads: this engine pools hidden states (or a classifier's logits).
     kind: ClassVar[EngineKind] = "pooling"
 
-    tokenizer: Tokenizer
-    max_seq_len: int
-    task: Literal["embed", "classify"]
-    pooling_type: str
-    normalize: bool
-    hidden_size: int
-
     def embed(self, batch: Sequence[PoolingInput], pooling_type: str) -> np.ndarray:
-        """Float32 array [len(batch), hidden] of pooled hidden states (or [len(batch), labels] logits)."""
         raise NotImplementedError(f"{type(self).__name__} must implement embed")
 
     def close(self) -> None:
