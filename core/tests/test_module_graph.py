@@ -110,8 +110,9 @@ ALLOWED: dict[str, set[str]] = {
     # OpenAI's wire shapes: the chat prompt types of the facade (an arrow back to _llm)
     "_openai": {"_config", "_llm"},
     "_models": {"_config", "_llm"},
-    # the server: a client of the facade, the model pool and the wire shapes
-    "server": {"lmdock", "_config", "_llm", "_models", "_openai", "_plugin", "tools"},
+    # the server: a client of the facade, the model pool and the wire shapes; the Ray front end's engine is a
+    # request engine (lmdock.backend's base)
+    "server": {"lmdock", "_config", "_llm", "_models", "_openai", "_plugin", "tools", "backend"},
     "_cli": {"lmdock", "_config", "_llm", "_plugin", "server"},
     "lmdock": {"_config", "_llm", "_models", "_plugin", "backend"},
     "__main__": {"_cli"},

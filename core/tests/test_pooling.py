@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from lmdock import ConfigError, EngineClosedError, PoolingParams, load_config
-from lmdock.backend import PoolingInput, read_pooling_config
+from lmdock.backend import PoolingEngineBase, PoolingInput, read_pooling_config
 
 
 def test_pooling_params_validate_and_layer() -> None:
@@ -61,7 +61,7 @@ def test_read_pooling_config(tmp_path: Path) -> None:
     assert read_pooling_config(causal)["task"] == "classify"
 
 
-class FakePoolingEngine:
+class FakePoolingEngine(PoolingEngineBase):
     """A fake pooling engine for the batcher's plumbing: a prompt's row is [sum of its ids, its length];
     a prompt holding token 13 makes the whole batch raise."""
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 from lmdock import QueueFullError, RequestError, SchedulerConfig
-from lmdock._engine.scheduler import FcfsScheduler, add_beside
+from lmdock._engine.scheduler import FcfsScheduler
 
 
 @dataclass(eq=False)
@@ -127,5 +127,5 @@ def test_a_fork_joins_beside_its_parent() -> None:
     s.add(b)
     run(s.schedule()[0])
     child = seq(3, 3)
-    add_beside(s, a, child)
+    s.fork(a, child)
     assert s.running == [a, child, b]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from fakes import PIECES, FakeStepEngine, FakeTokenizer
 from lmdock import LLM, LoRARequest, RequestError, SamplingParams
-from lmdock._engine.step_engine import as_step_engine
+from lmdock._engine.adapters import as_step_engine
 from lmdock.backend import AdapterCache, SeqChunk, StepEngineBase, StepOutput
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,10 +81,13 @@ def weights_checksum(folder: str | Path) -> float:
 LORA_TARGETS = ("q_proj", "v_proj", "o_proj")
 
 
-def lora_adapter(model: str | Path, folder: str | Path, seed: int, rank: int = 4) -> Path:
+def lora_adapter(model: str | Path, folder: str | Path, seed: int, rank: int = 4, *, targets: Sequence[str] = LORA_TARGETS,
+                 alpha: int | None = None, extra: dict[str, Any] | None = None, in_scale: int = 1) -> Path:
     """Write a LoRA adapter in PEFT's folder format for the transformers checkpoint ``model``: random
-    ``lora_A`` / ``lora_B`` (a fixed seed) for each of its ``LORA_TARGETS`` linear weights, big enough to
-    move the logprobs by nats.  Made without PEFT, from the checkpoint's safetensors alone."""
+    ``lora_A`` / ``lora_B`` (a fixed seed) for each of its ``targets`` linear weights, big enough to
+    move the logprobs by nats.  Made without PEFT, from the checkpoint's safetensors alone.
+    ``alpha``: ``lora_alpha`` (twice the rank by default); ``extra``: more adapter_config.json keys;
+    ``in_scale``: ``lora_A`` that many times too wide (an adapter made for another model)."""
     import json
 
     need("safetensors")
@@ -97,16 +101,18 @@ def lora_adapter(model: str | Path, folder: str | Path, seed: int, rank: int = 4
         with safe_open(str(file), "np") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                 module, _, kind = key.rpartition(".")
-                if kind != "weight" or module.rpartition(".")[2] not in LORA_TARGETS:
+                if kind != "weight" or module.rpartition(".")[2] not in targets:
                     continue
                 out_f, in_f = f.get_slice(key).get_shape()
+                in_f *= in_scale
                 tensors[f"base_model.model.{module}.lora_A.weight"] = rng.normal(0, 1 / np.sqrt(in_f), (rank, in_f)).astype(np.float32)
                 tensors[f"base_model.model.{module}.lora_B.weight"] = rng.normal(0, 0.5, (out_f, rank)).astype(np.float32)
     if not tensors:
-        raise ValueError(f"{model}: no safetensors weights named like {LORA_TARGETS}; the LoRA checks need a llama-style checkpoint")
+        raise ValueError(f"{model}: no safetensors weights named like {tuple(targets)}; the LoRA checks need a llama-style checkpoint")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(LORA_TARGETS), "bias": "none"}
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank if alpha is None else alpha, "target_modules": list(targets),
+              "bias": "none", **(extra or {})}
     (folder / "adapter_config.json").write_text(json.dumps(config))
     return folder

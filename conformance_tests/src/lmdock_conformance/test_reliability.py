@@ -17,16 +17,10 @@ PROMPTS = ["Once upon a time", "The cat", "Lily and Tom", "One day", "The sun wa
 
 def held(llm: Any) -> int | None:
     """Sequences the backend holds state for on behalf of requests: ``stats()["num_sequences_held"]``
-    (prefix caches hold theirs on purpose and are not counted), else a step engine's
-    ``num_sequences()``; None when the backend reports neither."""
-    stats = getattr(llm.engine, "stats", None)
-    value = stats().get("num_sequences_held") if callable(stats) else None
-    if value is not None:
-        return int(value)
-    inner = getattr(llm.engine, "engine", None)
-    if inner is not None and callable(getattr(inner, "num_sequences", None)):
-        return int(inner.num_sequences())
-    return None
+    (prefix caches hold theirs on purpose and are not counted; the core's loop reports a step engine's
+    ``num_sequences()`` so); None when the backend reports none."""
+    value = llm.engine.stats().get("num_sequences_held")
+    return None if value is None else int(value)
 
 
 def assert_nothing_held(llm: Any, lmdock_setup: Any, timeout: float = 10.0) -> None:
@@ -67,9 +61,8 @@ def test_preemption_under_a_small_kv_budget_gives_the_same_tokens(llm: Any, lmdo
     want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     with lmdock_setup.llm(kv_cache={"max_tokens": 128}, build={"max_seq_len": 128}) as small:
         got = [o.outputs[0].token_ids for o in small.generate(PROMPTS, params)]
-        stats = getattr(small.engine, "stats", None)
         if lmdock_setup.spec.kind == "step":
-            assert stats()["num_preemptions_total"] > 0, "the KV budget was not honoured: nothing was preempted"
+            assert small.engine.stats()["num_preemptions_total"] > 0, "the KV budget was not honoured: nothing was preempted"
         assert got == want
         assert_nothing_held(small, lmdock_setup)
 

@@ -1,5 +1,5 @@
 """What backend authors implement against: the engine contracts, the declaration, and the core's parts
-a backend may reuse (the step engines' base class, the LoRA adapter cache, slot bookkeeping, the
+a backend may reuse (the engines' and schedulers' base classes, the LoRA adapter cache, slot bookkeeping, the
 sampler and scheduler interfaces).
 
 Users import from ``lmdock``; plugins import from here (and ``lmdock`` for the portable configs and
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from lmdock._config.model import ModelConfig
 from lmdock._config.pooling import PoolingParams
 from lmdock._engine.adapter_cache import AdapterCache
+from lmdock._engine.request_engine import PoolingEngineBase, RequestEngineBase
 from lmdock._engine.step_engine import StepEngineBase
 from lmdock._llm.lora import LoRAModule, read_lora_adapter
 from lmdock._llm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from lmdock._engine.beam import BeamSearch
     from lmdock._engine.pooling import pool_hidden, read_pooling_config
     from lmdock._engine.sampler import ReferenceSampler, Sample, Sampler, SampleRow, host_array
-    from lmdock._engine.scheduler import FcfsScheduler, Scheduler
+    from lmdock._engine.scheduler import FcfsScheduler, Scheduler, SchedulerBase
     from lmdock._engine.slots import SlotTable
 
 _LAZY = {
@@ -53,6 +54,7 @@ _LAZY = {
     "SampleRow": "lmdock._engine.sampler",
     "Sampler": "lmdock._engine.sampler",
     "Scheduler": "lmdock._engine.scheduler",
+    "SchedulerBase": "lmdock._engine.scheduler",
     "SlotTable": "lmdock._engine.slots",
     "pool_hidden": "lmdock._engine.pooling",
     "read_pooling_config": "lmdock._engine.pooling",
@@ -92,16 +94,19 @@ __all__ = [
     "OutputSink",
     "PLUGIN_API_VERSION",
     "PoolingEngine",
+    "PoolingEngineBase",
     "PoolingInput",
     "PoolingParams",
     "ReferenceSampler",
     "RequestEngine",
+    "RequestEngineBase",
     "RequestError",
     "RequestOutput",
     "Sample",
     "SampleRow",
     "Sampler",
     "Scheduler",
+    "SchedulerBase",
     "SeqChunk",
     "SlotTable",
     "StepEngine",

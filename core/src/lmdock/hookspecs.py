@@ -130,7 +130,9 @@ def lmdock_load_engine(
     :param quantization: what ``lmdock_translate_quantization`` returned, or None.
     :param build: what ``lmdock_translate_build_config`` returned, or ``{}``.
     :return: a :class:`lmdock.backend.StepEngine` (if the spec's ``kind`` is ``"step"``) or a
-        :class:`lmdock.backend.RequestEngine` (``"request"``); None to decline the model (the next fallback is
+        :class:`lmdock.backend.RequestEngine` (``"request"``), best a subclass of ``StepEngineBase`` or
+        ``RequestEngineBase``, whose class declares its kind (a ``PoolingEngineBase`` for an embedding model
+        or a cross-encoder, from either kind of backend); None to decline the model (the next fallback is
         tried).  Raise :class:`lmdock.BackendError` for a model it recognises but cannot load.
     """
 
@@ -153,7 +155,8 @@ def lmdock_make_scheduler(
         ``max_num_batched_tokens``, ``max_waiting``).
     :param max_seq_len: the engine's context length.
     :param kv_capacity_tokens: the engine's KV capacity, or None when only ``max_num_seqs`` bounds it.
-    :return: an object with the :class:`lmdock.backend.Scheduler` interface, or None to decline.
+    :return: an object with the :class:`lmdock.backend.Scheduler` interface (best a subclass of
+        :class:`lmdock.backend.SchedulerBase`), or None to decline.
     """
 
 

@@ -183,7 +183,7 @@ class AfterLoad:
             return
         if self.task not in self.POOLING | self.GENERATING:
             raise ConfigError(f"task {self.task!r} (vLLM's task/runner): lmdock knows {', '.join(sorted(self.POOLING | self.GENERATING))}", key="task")
-        pooling = hasattr(llm.engine, "pool")
+        pooling = llm.engine.kind == "pooling"
         if pooling == (self.task in self.POOLING) or self.task == "auto":
             return
         what = "an embedding model or a cross-encoder" if pooling else "a generative model"

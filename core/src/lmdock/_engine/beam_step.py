@@ -17,7 +17,7 @@ from lmdock._engine.beam import beam_choices
 from lmdock._engine.failures import as_request_error
 from lmdock._engine.kv import KV
 from lmdock._engine.sampler import log_softmax
-from lmdock._engine.scheduler import Scheduler, add_beside
+from lmdock._engine.scheduler import SchedulerBase
 from lmdock._engine.sequence import Req, Seq
 from lmdock._plugin.errors import LmdockError
 
@@ -26,7 +26,7 @@ Ending: TypeAlias = "tuple[Req, str, LmdockError | None]"
 
 
 class BeamStepper:
-    def __init__(self, kv: KV, scheduler: Scheduler, new_seq_id: Callable[[], int], eos_token_ids: Sequence[int], max_seq_len: int) -> None:
+    def __init__(self, kv: KV, scheduler: SchedulerBase, new_seq_id: Callable[[], int], eos_token_ids: Sequence[int], max_seq_len: int) -> None:
         self.kv = kv
         self.scheduler = scheduler
         self.new_seq_id = new_seq_id
@@ -65,7 +65,7 @@ class BeamStepper:
                 child.token_ids.append(c.token)
                 child.cumulative_logprob = c.logprob
                 req.seqs.append(child)
-                add_beside(self.scheduler, seq, child)  # keeps the new beam beside its parent
+                self.scheduler.fork(seq, child)  # keeps the new beam beside its parent
             if mine:
                 seq.token_ids.append(mine[0].token)
                 seq.cumulative_logprob = mine[0].logprob

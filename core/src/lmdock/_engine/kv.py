@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from lmdock._engine.scheduler import Scheduler
+    from lmdock._engine.scheduler import SchedulerBase
     from lmdock._engine.sequence import QuerySeq, Seq
     from lmdock._engine.step_engine import StepEngineBase
 
@@ -26,7 +26,7 @@ log = logging.getLogger("lmdock.engine")
 
 
 class KV:
-    def __init__(self, engine: StepEngineBase, scheduler: Scheduler) -> None:
+    def __init__(self, engine: StepEngineBase, scheduler: SchedulerBase) -> None:
         self._engine = engine
         self._scheduler = scheduler
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from lmdock._engine.request_engine import RequestEngineBase
 from lmdock._plugin.contract import PoolingEngine, PoolingInput
 from lmdock._plugin.errors import BackendError, EngineClosedError, UnsupportedError
 from lmdock._plugin.model_files import read_model_json
@@ -87,8 +88,11 @@ class _Job:
     future: Future[Any]
 
 
-class PoolingRunner:
-    """Wraps a :class:`PoolingEngine` for the ``LLM`` facade: batches requests on one worker thread."""
+class PoolingRunner(RequestEngineBase):
+    """Wraps a :class:`PoolingEngine` for the ``LLM`` facade: batches requests on one worker thread.
+    The facade's engine, whose kind says it pools (``LLM.embed``, ``LLM.score``) rather than generates."""
+
+    kind = "pooling"
 
     def __init__(self, engine: PoolingEngine, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.engine = engine

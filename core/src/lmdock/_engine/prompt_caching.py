@@ -23,14 +23,14 @@ from typing import Any
 
 from lmdock._engine.kv import KV
 from lmdock._engine.prefix_cache import PromptCache
-from lmdock._engine.scheduler import Scheduler
+from lmdock._engine.scheduler import SchedulerBase
 from lmdock._engine.sequence import Seq
 
 log = logging.getLogger("lmdock.engine")
 
 
 class PromptCaching:
-    def __init__(self, kv: KV, scheduler: Scheduler, new_seq_id: Callable[[], int], enabled: bool, whole: bool = False) -> None:
+    def __init__(self, kv: KV, scheduler: SchedulerBase, new_seq_id: Callable[[], int], enabled: bool, whole: bool = False) -> None:
         self.kv = kv
         #: reuse only whole cached prompts (the engine's state cannot be truncated)
         self.whole = whole
@@ -41,8 +41,8 @@ class PromptCaching:
         self.new_seq_id = new_seq_id
         #: None: caching is off (not asked for, or the engine could not fork)
         self.cache: PromptCache | None = PromptCache() if enabled else None
-        if enabled and getattr(scheduler, "reclaim", False) is None:  # a scheduler that asks before evicting
-            scheduler.reclaim = self.reclaim  # type: ignore[attr-defined]
+        if enabled:  # the scheduler asks before it evicts (one that cannot ignores it)
+            scheduler.reclaim = self.reclaim
 
     @property
     def mode(self) -> str:
@@ -99,7 +99,7 @@ class PromptCaching:
         """The scheduler plans within what cached prompts leave; they are dropped before that would
         leave less than half the capacity."""
         capacity = self.kv.capacity
-        if capacity is None or not hasattr(self.scheduler, "capacity") or self.cache is None:
+        if capacity is None or self.cache is None:
             return
         cached = self.cache.tokens
         if cached > capacity // 2:
@@ -125,7 +125,7 @@ class PromptCaching:
         if disable:
             self.cache = None
         capacity = self.kv.capacity
-        if capacity is not None and hasattr(self.scheduler, "capacity"):
+        if capacity is not None:
             self.scheduler.capacity = capacity
 
 

@@ -13,13 +13,13 @@ from lmdock._engine.failures import settle_future
 from lmdock._engine.kv import KV
 from lmdock._engine.prefix_cache import PrefixCache
 from lmdock._engine.sampler import log_softmax
-from lmdock._engine.scheduler import Scheduler
+from lmdock._engine.scheduler import SchedulerBase
 from lmdock._engine.sequence import QuerySeq
 from lmdock._plugin.errors import LmdockError
 
 
 class Queries:
-    def __init__(self, kv: KV, scheduler: Scheduler, new_seq_id: Callable[[], int]) -> None:
+    def __init__(self, kv: KV, scheduler: SchedulerBase, new_seq_id: Callable[[], int]) -> None:
         self.kv = kv
         self.scheduler = scheduler
         self.new_seq_id = new_seq_id

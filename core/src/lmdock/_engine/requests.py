@@ -14,7 +14,7 @@ from lmdock._engine.inbox import Add
 from lmdock._engine.kv import KV
 from lmdock._engine.output import OutputProcessor
 from lmdock._engine.queries import Queries
-from lmdock._engine.scheduler import Scheduler, add_beside
+from lmdock._engine.scheduler import SchedulerBase
 from lmdock._engine.sequence import QuerySeq, Req, Seq
 from lmdock._llm.streams import safe_fail, safe_put
 from lmdock._plugin.contract import StepEngine
@@ -22,7 +22,7 @@ from lmdock._plugin.errors import LmdockError
 
 
 class Requests:
-    def __init__(self, engine: StepEngine, scheduler: Scheduler, kv: KV, output: OutputProcessor, queries: Queries) -> None:
+    def __init__(self, engine: StepEngine, scheduler: SchedulerBase, kv: KV, output: OutputProcessor, queries: Queries) -> None:
         self.engine = engine
         self.scheduler = scheduler
         self.kv = kv
@@ -66,7 +66,7 @@ class Requests:
         for f in followers:
             if self.kv.fork(first.seq_id, f, first.num_computed):
                 sharing.append(f)
-                add_beside(self.scheduler, first, f)
+                self.scheduler.fork(first, f)
             else:
                 self.scheduler.add(f)
         return sharing

@@ -16,11 +16,9 @@ a call per step:
    sequences at once;
 7. report: every step for streaming requests, at the end for the others (``Requests.report``).
 
-Overlap (``async_output``): on an engine whose step leaves the GIL and a CPU core free, the detokenization
-and reports of requests without stop strings are deferred from 6-7 to a helper thread that runs
-them during the next step's ``engine.step`` (``lmdock._engine.overlap``).  What the next step
-depends on (the token, EOS, stop token ids, length) is still decided in 6; pending work is flushed
-before anything else touches those requests (aborts, failures, an idle loop, shutdown).
+Overlap (``async_output``, ``lmdock._engine.overlap``): 6-7's text and reports run during the next
+``engine.step``; what that step depends on is decided in 6, and pending work is flushed before anything
+else touches those requests (aborts, failures, an idle loop, shutdown).
 
 Containment: whatever goes wrong while serving one request fails that request alone, with an error that
 names the cause, and releases its state.  Helpers return failures (``lmdock._engine.failures``); the
@@ -39,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from lmdock._engine.adapters import as_scheduler, as_step_engine
 from lmdock._engine.beam_step import BeamStepper
 from lmdock._engine.biases import bad_words_ids
 from lmdock._engine.failures import as_request_error, guard
@@ -49,16 +48,17 @@ from lmdock._engine.output import OutputProcessor
 from lmdock._engine.overlap import DeferredOutput
 from lmdock._engine.prompt_caching import PromptCaching
 from lmdock._engine.queries import Queries
+from lmdock._engine.request_engine import RequestEngineBase
 from lmdock._engine.requests import Requests, adapter_names
 from lmdock._engine.sampler import LogitsProcessor, Sample, Sampler, host_array
 from lmdock._engine.sampling import sample_contained
-from lmdock._engine.scheduler import Scheduler
+from lmdock._engine.scheduler import SchedulerBase
 from lmdock._engine.sequence import QuerySeq, Req, Seq, live
 from lmdock._engine.speculative import Speculation
-from lmdock._engine.step_engine import StepEngineBase, as_step_engine
+from lmdock._engine.step_engine import StepEngineBase
 from lmdock._engine.validate import check_ids, check_request, compile_constraints, load_lora, prepare_lora
 from lmdock._plugin.contract import EngineRequest, OutputSink, SeqChunk
-from lmdock._plugin.errors import BackendError, EngineClosedError, RequestError, UnsupportedError
+from lmdock._plugin.errors import BackendError, EngineClosedError, RequestError
 
 log = logging.getLogger("lmdock.engine")
 
@@ -69,9 +69,10 @@ MAX_CONSECUTIVE_FAILURES = 3
 Plan = list[tuple[Any, int]]
 
 
-class StepRunner:
-    """A :class:`lmdock.backend.RequestEngine` over a :class:`lmdock.backend.StepEngine` (one written
-    without :class:`lmdock.backend.StepEngineBase` is seen through it: ``as_step_engine``).
+class StepRunner(RequestEngineBase):
+    """A request engine over a :class:`lmdock.backend.StepEngine` (one written without
+    :class:`lmdock.backend.StepEngineBase`, or a scheduler without ``SchedulerBase``, is seen through
+    the base: ``lmdock._engine.adapters``).
 
     ``processors_for(params)`` returns the request's logits processors, each already named after the
     plugin that contributed it (see ``lmdock._plugin.loader``); it is called in the submitting thread, so a
@@ -82,7 +83,7 @@ class StepRunner:
     def __init__(
         self,
         engine: StepEngineBase | Any,
-        scheduler: Scheduler,
+        scheduler: SchedulerBase | Any,
         sampler: Sampler,
         processors_for: Callable[[Any], Sequence[LogitsProcessor]] = lambda params: (),
         *,
@@ -94,10 +95,10 @@ class StepRunner:
         speculative: tuple[Any, Any] | None = None,
     ) -> None:
         self.engine = engine = as_step_engine(engine)
+        self.scheduler = scheduler = as_scheduler(scheduler)
         self.tokenizer = engine.tokenizer
         self.max_seq_len = engine.max_seq_len
         self.generation_config = engine.generation_config
-        self.scheduler = scheduler
         self.sampler = sampler
         self.output = OutputProcessor(engine.tokenizer, engine.eos_token_ids, engine.max_seq_len)
         self.kv = KV(engine, scheduler)
@@ -115,7 +116,7 @@ class StepRunner:
             self._fill_masks = fill_masks
         #: speculative decoding: ``speculative = (SpeculativeConfig, proposer)``, or off
         config, proposer = speculative or (None, None)
-        budget = getattr(getattr(scheduler, "config", None), "max_num_batched_tokens", 0) or 0
+        budget = scheduler.config.max_num_batched_tokens if scheduler.config is not None else 0
         self.spec = Speculation(engine, config, proposer, budget, self.kv)
         self._max_failures = max_consecutive_failures
         self._failures = 0
@@ -144,27 +145,20 @@ class StepRunner:
         self._inbox.post(Add(request, sink, processors, constraints, bad_words))
 
     def prepare_lora(self, lora: Any) -> None:
-        """Load (or check) an adapter ahead of :meth:`submit`, in the caller's thread: a server calls it
-        from a worker thread, so the first use of an adapter (disk reads) never blocks its event loop;
-        ``submit`` then finds it loaded.  Raises RequestError as ``submit`` would."""
+        """Load (or check) an adapter ahead of :meth:`submit`, in the caller's (worker) thread, so its
+        first use never blocks a server's loop; raises RequestError as ``submit`` would."""
         load_lora(self.engine, lora)
 
     def process_multimodal(self, text: str, data: Any, add_special_tokens: bool) -> list[int]:
-        """A prompt with images as the step engine's processor tokenizes it (``lmdock._llm.multimodal``);
-        in the caller's thread, so the image preprocessing never holds up the engine loop."""
-        process = getattr(self.engine, "process_multimodal", None)
-        if process is None:
-            raise UnsupportedError("this step engine cannot read images (it has no process_multimodal); remove the images")
-        return list(process(text, data, add_special_tokens))
+        """A prompt with images as the step engine's processor tokenizes it, off the engine loop."""
+        return list(self.engine.process_multimodal(text, data, add_special_tokens))
 
     def abort(self, request_id: str) -> None:
         self._inbox.post_abort(Abort(request_id))  # dropped while shutting down: that fails it anyway
 
     def next_token_logprobs(self, token_ids: Sequence[int]) -> concurrent.futures.Future[np.ndarray]:
-        """A future of the log-probabilities (float32, [vocab]) of the token after ``token_ids``.
-
-        Queries that arrive together run in one batch; results and KV state go to the prefix cache.
-        """
+        """A future of the log-probabilities (float32, [vocab]) of the token after ``token_ids``; queries
+        that arrive together run in one batch, and results and KV state go to the prefix cache."""
         ids = list(token_ids)
         if not ids:
             raise RequestError("next_token_logprobs needs at least one token id")
@@ -173,8 +167,7 @@ class StepRunner:
         self._inbox.post(Query(ids, future))
         return future
 
-    def clear_cache(self) -> None:
-        """Drop the prefix cache (results and the KV state it holds)."""
+    def clear_cache(self) -> None:  # the prefix caches, and the KV state they hold
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._inbox.post(ClearCache(done))
         done.result()
@@ -195,8 +188,7 @@ class StepRunner:
 
     def stats(self) -> dict[str, Any]:
         """Live counts for monitoring (the server's /metrics) and tests; safe from any thread."""
-        running = list(getattr(self.scheduler, "running", ()))
-        waiting = list(getattr(self.scheduler, "waiting", ()))
+        running, waiting = list(self.scheduler.running), list(self.scheduler.waiting)
         capacity = self.engine.kv_capacity_tokens
         active = {id(s.req) for s in running if s.req is not None}
         cached = len(self.queries.cache) + self.prompts.held  # the prefix caches hold theirs on purpose

@@ -17,7 +17,7 @@ sequence, that cannot fit even with nothing else running fails with the reason i
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from lmdock._config.model import SchedulerConfig
@@ -43,16 +43,49 @@ class Scheduler(Protocol):
     def has_work(self) -> bool: ...
 
 
-class FcfsScheduler:
+class SchedulerBase:
+    """What ``lmdock_make_scheduler`` returns, with the optional members filled in (a scheduler written
+    without it is seen through it: ``lmdock._engine.adapters.as_scheduler``).  A subclass implements
+    ``add``, ``remove``, ``schedule`` and ``has_work``."""
+
+    #: KV positions the scheduler plans within (None: it plans by ``max_num_seqs`` alone); the prefix
+    #: cache lowers it by what cached prompts hold
+    capacity: int | None = None
+    #: ``reclaim(tokens) -> tokens freed``, set by the prefix cache: KV room held elsewhere (cached
+    #: prompts), to ask for before a sequence is preempted or failed; None until set
+    reclaim: Callable[[int], int] | None = None
+    #: the ``[scheduler]`` table it plans with (speculation reads its token budget); None: none
+    config: SchedulerConfig | None = None
+    #: the sequences running and waiting, for ``LLM.stats()`` and speculation's KV room
+    running: Sequence[SchedSeq] = ()
+    waiting: Sequence[SchedSeq] = ()
+
+    def add(self, seq: SchedSeq) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must implement add")
+
+    def remove(self, seq: SchedSeq) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must implement remove")
+
+    def schedule(self) -> tuple[list[tuple[SchedSeq, int]], list[SchedSeq], list[tuple[SchedSeq, str]]]:
+        raise NotImplementedError(f"{type(self).__name__} must implement schedule")
+
+    def has_work(self) -> bool:
+        raise NotImplementedError(f"{type(self).__name__} must implement has_work")
+
+    def fork(self, parent: SchedSeq, child: SchedSeq) -> None:
+        """Schedule a sequence forked from ``parent`` beside it (a beam search's beams advance
+        together).  The default: as a new arrival."""
+        self.add(child)
+
+
+class FcfsScheduler(SchedulerBase):
     def __init__(self, config: SchedulerConfig, max_seq_len: int, kv_capacity_tokens: int | None) -> None:
         self.config = config
         self.max_seq_len = max_seq_len
         self.capacity = kv_capacity_tokens
-        self.waiting: deque[SchedSeq] = deque()
-        self.running: list[SchedSeq] = []
-        #: ``reclaim(tokens) -> tokens freed``: KV room held elsewhere (cached prompts), asked for
-        #: before a sequence is preempted or failed; the capacity grows by what it frees
-        self.reclaim: Callable[[int], int] | None = None
+        self.waiting: deque[SchedSeq] = deque()  # type: ignore[assignment]
+        self.running: list[SchedSeq] = []  # type: ignore[assignment]
+        self.reclaim: Callable[[int], int] | None = None  # the capacity grows by what it frees
 
     def add(self, seq: SchedSeq) -> None:
         if len(self.waiting) >= self.config.max_waiting:
@@ -163,11 +196,3 @@ class FcfsScheduler:
             preempted.extend(victims)
         return preempted, failed
 
-
-def add_beside(scheduler: Scheduler, parent: SchedSeq, child: SchedSeq) -> None:
-    """Schedule a sequence forked from ``parent``: beside it where the scheduler can (its optional
-    ``fork``; a beam search's beams advance together), else as a new arrival."""
-    if hasattr(scheduler, "fork"):
-        scheduler.fork(parent, child)
-    else:
-        scheduler.add(child)

@@ -209,11 +209,11 @@ class Speculation:
 
     def room(self, plan: Any, scheduler: Any) -> int | None:
         """KV positions free after the plan (None: the engine names no capacity, or no speculation)."""
-        capacity = getattr(scheduler, "capacity", None) or (self.kv.capacity if self.kv is not None else None)
+        capacity = scheduler.capacity or (self.kv.capacity if self.kv is not None else None)
         if capacity is None or not self.enabled:
             return None
         planned = {id(s): n for s, n in plan}
-        running = getattr(scheduler, "running", [s for s, _ in plan])
+        running = scheduler.running or [s for s, _ in plan]  # a scheduler that shows none: the plan
         return capacity - sum(s.num_computed + planned.get(id(s), 0) for s in running)
 
     def stats(self) -> dict[str, Any]:

@@ -2,25 +2,32 @@
 attributes with their defaults (transformers' ``Cache`` is the model: a base class that carries the
 optional), so the core reads them directly instead of probing each engine with ``hasattr``.
 
-An engine written without the base keeps working: :func:`as_step_engine` gives it the base's defaults
-for whatever it lacks, once, as the loader hands it to the loop.  That adapter is the one place where
-the core looks at which optional members an engine has.
+An engine written without the base keeps working: ``lmdock._engine.adapters.as_step_engine`` gives it
+the base's defaults for whatever it lacks, once, as the loader hands it to the loop.  That module is the
+one place where the core looks at which optional members an engine has.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from lmdock._plugin.errors import RequestError
+from lmdock._plugin.errors import RequestError, UnsupportedError
 
 if TYPE_CHECKING:
     from lmdock._engine.adapter_cache import AdapterCache
+    from lmdock._engine.request_engine import EngineKind
     from lmdock._llm.lora import LoRARequest
     from lmdock._llm.tokenizer import Tokenizer
     from lmdock._plugin.contract import SeqChunk, StepOutput
 
-_NO_LORA_FIX = "send the request without lora_request, or load the model on a backend that lists lora in `lmdock backends`"
+NO_LORA_FIX = "send the request without lora_request, or load the model on a backend that lists lora in `lmdock backends`"
+
+
+def no_images(engine: str) -> UnsupportedError:
+    """The refusal of a prompt with images by a step engine (class ``engine``) that cannot read them."""
+    return UnsupportedError(f"this step engine ({engine}) cannot read images; remove the images, or load "
+                            "a vision-language model on a backend that lists vision in `lmdock backends`")
 
 
 class StepEngineBase:
@@ -29,6 +36,9 @@ class StepEngineBase:
     A subclass implements ``step``, ``release`` and ``num_sequences`` (and ``fork`` where it can copy a
     sequence's KV state, ``close`` where it holds resources), and sets what differs from the defaults.
     """
+
+    #: The kind the loader reads: the core schedules and samples around this engine.
+    kind: ClassVar[EngineKind] = "step"
 
     #: Most tokens the KV state can hold across all sequences (None: bounded only by max_num_seqs).
     kv_capacity_tokens: int | None = None
@@ -91,7 +101,7 @@ class StepEngineBase:
         alone.  Chunks then name it.  The default: the engine's ``adapters`` does, or it is refused."""
         if self.adapters is None:
             raise RequestError(f"lora_request {lora.name!r}: this step engine ({type(self).__name__}) runs no LoRA adapters; "
-                               f"{_NO_LORA_FIX}")
+                               f"{NO_LORA_FIX}")
         self.adapters.prepare(lora)
 
     @property
@@ -99,71 +109,15 @@ class StepEngineBase:
         """Adapters kept loaded (reported in /metrics); 0 for an engine that runs none."""
         return self.adapters.max_loras if self.adapters is not None else 0
 
+    def process_multimodal(self, text: str, data: Any, add_special_tokens: bool) -> list[int]:
+        """A prompt with images (a backend that declares ``vision``), in the submitting thread: its token
+        ids with the image placeholders expanded as the model's processor does, ``data.processed``
+        (``lmdock._llm.multimodal.MultiModalData``) filled for the prefill chunks to carry.  The
+        default cannot read images."""
+        raise no_images(type(self).__name__)
+
     def thread_exit(self) -> None:
         """Called in the engine thread as it ends, for resources that belong to that thread (MLX streams)."""
 
     def close(self) -> None:
         """Free the engine's resources; called once, after every sequence is released."""
-
-
-def as_step_engine(engine: Any) -> StepEngineBase:
-    """``engine`` itself when it subclasses :class:`StepEngineBase`; else the engine behind an adapter
-    that gives it the base's defaults for the optional members it lacks."""
-    return engine if isinstance(engine, StepEngineBase) else _Adapted(engine)
-
-
-def _passed(name: str, default: Any) -> property:
-    return property(lambda self: getattr(self.wrapped, name, default), doc=f"the engine's ``{name}``, else {default!r}")
-
-
-class _Adapted(StepEngineBase):
-    """A step engine written without :class:`StepEngineBase`, seen through the base.  Every attribute
-    the base does not define (``tokenizer``, ``vocab_size``, an engine's own) is the engine's, and
-    each call is looked up on the engine when made (not bound once here), so a method replaced on the
-    engine after loading (a test's spy) is the one the loop calls."""
-
-    kv_capacity_tokens = _passed("kv_capacity_tokens", None)  # type: ignore[assignment]
-    fork_truncates = _passed("fork_truncates", True)  # type: ignore[assignment]
-    truncates = property(lambda self: bool(getattr(self.wrapped, "truncates", hasattr(self.wrapped, "truncate"))),  # type: ignore[assignment]
-                         doc="the engine's ``truncates``, else whether it has a ``truncate``")
-    overlap_host_work = _passed("overlap_host_work", False)  # type: ignore[assignment]
-    scheduler_limits = _passed("scheduler_limits", None)  # type: ignore[assignment]
-    max_loras = _passed("max_loras", 0)  # type: ignore[assignment]
-    adapters = _passed("adapters", None)  # type: ignore[assignment]
-
-    def __init__(self, engine: Any) -> None:  # the base's fields are the engine's: not set here
-        self.wrapped = engine
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.wrapped, name)
-
-    def step(self, chunks: Sequence[SeqChunk]) -> StepOutput:
-        return self.wrapped.step(chunks)
-
-    def release(self, seq_id: int) -> None:
-        self.wrapped.release(seq_id)
-
-    def num_sequences(self) -> int:
-        return self.wrapped.num_sequences()
-
-    def fork(self, src_seq_id: int, dst_seq_id: int, length: int) -> bool:
-        return bool(self.wrapped.fork(src_seq_id, dst_seq_id, length))
-
-    def truncate(self, seq_id: int, length: int) -> bool:
-        own = getattr(self.wrapped, "truncate", None)
-        return bool(own(seq_id, length)) if own is not None else False
-
-    def prepare_lora(self, lora: LoRARequest) -> None:
-        own = getattr(self.wrapped, "prepare_lora", None)
-        if own is None:
-            raise RequestError(f"lora_request {lora.name!r}: this step engine ({type(self.wrapped).__name__}) cannot run "
-                               f"LoRA adapters (it has no prepare_lora); {_NO_LORA_FIX}")
-        own(lora)
-
-    def thread_exit(self) -> None:
-        own = getattr(self.wrapped, "thread_exit", None)
-        if own is not None:
-            own()
-
-    def close(self) -> None:
-        self.wrapped.close()

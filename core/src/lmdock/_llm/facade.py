@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 from lmdock._config.file import SERVE_ONLY_KEYS
 from lmdock._config.foreign import constructor_options
 from lmdock._config.sampling import EditableSamplingParams, SamplingParams, StructuredOutput
+from lmdock._engine.adapters import as_request_engine
+from lmdock._engine.request_engine import RequestEngineBase
 from lmdock._llm import lifecycle
 from lmdock._llm.chat import ChatCall, chat_plan, render_chat
 from lmdock._llm.embed import PoolingArg, PoolingCalls
@@ -62,7 +64,7 @@ class LLM:
 
     def _setup(self, model: str | os.PathLike[str] | None, backend: str | None, config: str | os.PathLike[str] | None,
                options: dict[str, Any], load: Callable[[ModelConfig], tuple[RequestEngine, BackendSpec]]) -> None:
-        self._engine: RequestEngine | None = None
+        self._engine: RequestEngineBase | None = None
         self._grammar_check: Any = None
         self.image_limits = PYTHON_LIMITS  # bounds on prompts' images (lmdock serve sets [server]'s)
         model, options, after = constructor_options(model, options)
@@ -73,7 +75,8 @@ class LLM:
         if backend is not None:
             options["backend"] = backend
         self.model_config = resolve_model(model, config, options)
-        self._engine, self.backend = load(self.model_config)
+        engine, self.backend = load(self.model_config)
+        self._engine = as_request_engine(engine)  # over_engine's own (load_engine's already is)
         lifecycle.live.add(self)
         self.tokenizer = self._engine.tokenizer
         self.max_model_len = self._engine.max_seq_len
@@ -100,7 +103,7 @@ class LLM:
             pass
 
     @property
-    def engine(self) -> RequestEngine:
+    def engine(self) -> RequestEngineBase:
         if self._engine is None:
             from lmdock._plugin.errors import EngineClosedError
 
@@ -112,13 +115,7 @@ class LLM:
         ``kv_cache_usage_perc``, ``num_preemptions_total``, ``num_sequences_held``; a step engine also
         ``num_requests_aborted_total``, requests ended by a cancel or a client gone), or ``{}`` when
         the engine reports none."""
-        stats = getattr(self.engine, "stats", None)
-        out = dict(stats()) if callable(stats) else {}
-        if "num_sequences_held" not in out:  # a step engine reports what it holds KV state for
-            held = getattr(getattr(self.engine, "engine", None), "num_sequences", None)
-            if callable(held):
-                out["num_sequences_held"] = held()
-        return out
+        return dict(self.engine.stats())
 
     # -- sampling defaults ----------------------------------------------------------------------
 
@@ -201,9 +198,8 @@ class LLM:
         compiles it.  ``merge`` and ``skipped``: as :class:`RequestStream`'s (snapshots that wait for
         a slow reader are merged into the newest)."""
         engine = self.engine
-        prepare = getattr(engine, "prepare_lora", None)
-        if request.lora_request is not None and prepare is not None:  # reads the adapter from disk on first use
-            await asyncio.to_thread(prepare, request.lora_request)
+        if request.lora_request is not None:  # reads the adapter from disk on first use
+            await asyncio.to_thread(engine.prepare_lora, request.lora_request)
         stream = RequestStream(request.request_id, engine.abort, merge=merge, skipped=skipped)
         await submit_from_loop(engine, request, stream)
         return stream
@@ -363,48 +359,44 @@ class LLM:
 
     # -- next-token logprobs (genlm-backend's AsyncLM) --------------------------------------------
 
-    def _logprob_engine(self) -> Any:
-        engine = self.engine
-        if not hasattr(engine, "next_token_logprobs"):
-            from lmdock._plugin.errors import UnsupportedError
-
+    def _logprob_future(self, token_ids: Sequence[int]) -> Any:
+        """The engine's future for one prefix; an engine without the member is refused with its
+        backend's reason."""
+        try:
+            return self.engine.next_token_logprobs(token_ids)
+        except UnsupportedError as exc:
             _, reason = self.backend.capability("next_token_logprobs")
-            raise UnsupportedError(f"backend {self.backend.name!r} has no next_token_logprobs: {reason}")
-        return engine
+            raise UnsupportedError(f"backend {self.backend.name!r} has no next_token_logprobs: {reason}") from exc
 
     async def next_token_logprobs(self, token_ids: Sequence[int]) -> Any:
         """Log-probabilities (NumPy float32, shape [vocab]) of the token that follows ``token_ids``.
 
         Concurrent calls are batched together; a prefix cache reuses results and KV state.
         """
-        return await asyncio.wrap_future(self._logprob_engine().next_token_logprobs(token_ids))
+        return await asyncio.wrap_future(self._logprob_future(token_ids))
 
     def next_token_logprobs_sync(self, token_ids: Sequence[int]) -> Any:
         """Blocking :meth:`next_token_logprobs`."""
-        return self._logprob_engine().next_token_logprobs(token_ids).result()
+        return self._logprob_future(token_ids).result()
 
     async def batch_next_token_logprobs(self, token_ids_list: Sequence[Sequence[int]]) -> Any:
         """Next-token logprobs for several prefixes at once: shape [len(token_ids_list), vocab]."""
         import numpy as np
 
-        engine = self._logprob_engine()
-        futures = [asyncio.wrap_future(engine.next_token_logprobs(ids)) for ids in token_ids_list]
+        futures = [asyncio.wrap_future(self._logprob_future(ids)) for ids in token_ids_list]
         return np.stack(await asyncio.gather(*futures))
 
     def batch_next_token_logprobs_sync(self, token_ids_list: Sequence[Sequence[int]]) -> Any:
         """Blocking :meth:`batch_next_token_logprobs`."""
         import numpy as np
 
-        engine = self._logprob_engine()
-        futures = [engine.next_token_logprobs(ids) for ids in token_ids_list]
+        futures = [self._logprob_future(ids) for ids in token_ids_list]
         return np.stack([f.result() for f in futures])
 
     def clear_cache(self) -> None:
         """Drop the prefix caches (next-token logprobs, and automatic prefix caching of prompts) and
         the KV state they hold.  A no-op for engines that keep no such cache."""
-        clear = getattr(self.engine, "clear_cache", None)
-        if clear is not None:
-            clear()
+        self.engine.clear_cache()
 
     # -- embeddings and scoring (furiosa-llm's / vLLM's embed and score) -----------------------
 
@@ -440,7 +432,7 @@ class LLM:
 
     def _pooling(self, capability: str) -> PoolingCalls:
         engine = self.engine
-        if hasattr(engine, "pool"):
+        if engine.kind == "pooling":
             return PoolingCalls(engine, self._tokenizer, self.model_config)
         ok, reason = self.backend.capability(capability)
         if not ok:

@@ -303,8 +303,5 @@ def prepare(engine: Any, backend: Any, text: Any, values: list[Any], add_special
         raise RequestError("a prompt with multi_modal_data must be text ({'prompt': '...'}), with the model's image "
                            "placeholders where the images go; token-id prompts cannot carry images here")
     data = multimodal_data(values, "multi_modal_data['image']", limits)
-    process = getattr(engine, "process_multimodal", None)
-    if process is not None:
-        return process(text, data, add_special_tokens), data
-    tokenizer = engine.tokenizer  # a request engine (vLLM) runs the model's processor itself
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens), data
+    # a step engine's processor expands the placeholders; a request engine (vLLM) runs it itself
+    return engine.process_multimodal(text, data, add_special_tokens), data

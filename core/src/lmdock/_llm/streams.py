@@ -165,7 +165,7 @@ async def submit_from_loop(engine: Any, request: Any, sink: Any) -> None:
     it (checked already, but a big one still takes a while), so the loop does not wait for it.  An
     engine whose ``submit`` must run on the loop and compiles nothing there says so:
     ``submit_on_loop = True`` (lmdock serve's Ray front end, whose replicas compile)."""
-    if request.params.structured_output is None or getattr(engine, "submit_on_loop", False):
+    if request.params.structured_output is None or engine.submit_on_loop:
         engine.submit(request, sink)
         return
     done = asyncio.ensure_future(asyncio.to_thread(engine.submit, request, sink))

@@ -212,13 +212,9 @@ class StepEngine(Protocol):
 
     def close(self) -> None: ...
 
-    # Optional members (prepare_lora, thread_exit, fork_truncates, overlap_host_work, truncate,
-    # scheduler_limits, max_loras): lmdock.backend.StepEngineBase defines each with its default and
-    # meaning.  ``process_multimodal(text, data, add_special_tokens) -> list[int]`` (a backend that
-    # declares ``vision``) is called in the submitting thread for a prompt with images: it returns the
-    # prompt's token ids with the image placeholders expanded as the model's processor does, and fills
-    # ``data.processed`` (``lmdock._llm.multimodal.MultiModalData``), which prefill chunks then carry.
-    # ``step``, ``release`` and ``fork`` are called from the engine thread only.
+    # Optional members (prepare_lora, process_multimodal, thread_exit, fork_truncates, overlap_host_work,
+    # truncate, scheduler_limits, max_loras): lmdock.backend.StepEngineBase defines each with its
+    # default and meaning.  ``step``, ``release`` and ``fork`` are called from the engine thread only.
 
 
 @dataclass
@@ -250,7 +246,8 @@ class OutputSink(Protocol):
 
 @runtime_checkable
 class RequestEngine(Protocol):
-    """What a request backend's load hook returns (and what the core wraps step engines into)."""
+    """What a request backend's load hook returns (best a subclass of ``lmdock.backend.RequestEngineBase``;
+    the core's loop over a step engine is one too)."""
 
     tokenizer: Tokenizer | None
     max_seq_len: int
@@ -266,6 +263,9 @@ class RequestEngine(Protocol):
 
     def close(self) -> None: ...
 
+    # Optional members (stats, prepare_lora, process_multimodal, next_token_logprobs, clear_cache,
+    # submit_on_loop): lmdock.backend.RequestEngineBase defines each with its default and meaning.
+
 
 @dataclass
 class PoolingInput:
@@ -278,7 +278,8 @@ class PoolingInput:
 
 @runtime_checkable
 class PoolingEngine(Protocol):
-    """What a backend's load hook returns for an embedding model or a cross-encoder.
+    """What a backend's load hook returns for an embedding model or a cross-encoder (best a subclass of
+    ``lmdock.backend.PoolingEngineBase``).
 
     The core wraps it in its pooling batcher: requests from many callers are padded into one batch up
     to ``[scheduler] max_num_batched_tokens`` (and ``max_num_seqs``), grouped by pooling type, and

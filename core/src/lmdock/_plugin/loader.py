@@ -159,13 +159,15 @@ def _load_one(spec: BackendSpec, mc: ModelConfig, registry: Any) -> RequestEngin
     engine = hook.lmdock_load_engine(backend=spec.name, model_config=mc, options=options, quantization=quant, build=build_args)
     if engine is None:
         return engine
-    if hasattr(engine, "embed") and hasattr(engine, "task") and not hasattr(engine, "step"):
-        # an embedding model or a cross-encoder, from a step or a request backend alike
+    from lmdock._engine.adapters import as_request_engine, engine_kind
+
+    kind = engine_kind(engine, spec.kind)  # declared on its class (lmdock.backend's bases), else told once
+    if kind == "pooling":  # an embedding model or a cross-encoder, from a step or a request backend alike
         from lmdock._engine.pooling import PoolingRunner
 
         return PoolingRunner(engine, max_num_seqs=mc.scheduler.max_num_seqs, max_num_batched_tokens=mc.scheduler.max_num_batched_tokens)
-    if spec.kind == "request":
-        return engine
+    if kind == "request":
+        return as_request_engine(engine)
     return _wrap_step_engine(engine, spec, mc, hook)
 
 
@@ -181,8 +183,8 @@ def _check_lora_limits(spec: BackendSpec, mc: ModelConfig) -> None:
 
 
 def _wrap_step_engine(engine: Any, spec: BackendSpec, mc: ModelConfig, hook: Any) -> RequestEngine:
+    from lmdock._engine.adapters import as_step_engine
     from lmdock._engine.runner import StepRunner
-    from lmdock._engine.step_engine import as_step_engine
 
     engine = as_step_engine(engine)
     # an engine may narrow the scheduler's limits (lmdock-hf's OffloadPolicy picks the batch it streams for)
@@ -244,7 +246,9 @@ def load_draft_engine(config: Any, target: Any, mc: ModelConfig) -> Any:
     options = build(spec.options, {}, source=mc.source) if spec.options else {}
     build_args = hook.lmdock_translate_build_config(backend=spec.name, model_config=dmc) or {}
     draft = hook.lmdock_load_engine(backend=spec.name, model_config=dmc, options=options, quantization=None, build=build_args)
-    if draft is None or not hasattr(draft, "step"):
+    from lmdock._engine.adapters import engine_kind
+
+    if draft is None or engine_kind(draft, spec.kind) != "step":
         raise ConfigError(f"backend {spec.name!r} could not load the draft model {config.model!r} as a step engine", source=mc.source, key="speculative.model")
     if draft.vocab_size != target.vocab_size or tuple(draft.eos_token_ids) != tuple(target.eos_token_ids):
         draft.close()

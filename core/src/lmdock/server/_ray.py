@@ -34,6 +34,7 @@ from typing import Any
 from lmdock._config.model import ModelConfig
 from lmdock._models.replicas import ReplicaPlan
 from lmdock._plugin.errors import ConfigError, EngineClosedError
+from lmdock.backend import RequestEngineBase
 
 #: the Ray Serve application holding model NAME's replicas
 APP_PREFIX = "lmdock-"
@@ -41,9 +42,6 @@ APP_PREFIX = "lmdock-"
 #: times a request is sent again when its replica dies before it streamed anything
 RETRIES = 2
 
-#: engine attributes the front end's routes read, shipped from a replica (those its engine has)
-_FACTS = ("tokenizer", "max_seq_len", "generation_config", "task", "hidden_size", "pooling_type", "normalize",
-          "kv_capacity_tokens", "max_loras")
 
 
 def start_ray(cpus: float) -> None:
@@ -87,8 +85,12 @@ class ReplicaEngine:
 
     def facts(self) -> dict[str, Any]:
         """The backend's name and what the front end's routes read from an engine."""
-        engine = self.llm.engine
-        return {"backend": self.llm.backend.name, **{a: getattr(engine, a) for a in _FACTS if hasattr(engine, a)}}
+        engine: Any = self.llm.engine
+        facts = {"backend": self.llm.backend.name, "tokenizer": engine.tokenizer, "max_seq_len": engine.max_seq_len,
+                 "generation_config": engine.generation_config}
+        if engine.kind == "pooling":  # what the pooling routes read of an embedding model or a cross-encoder
+            facts.update(task=engine.task, hidden_size=engine.hidden_size, pooling_type=engine.pooling_type, normalize=engine.normalize)
+        return facts
 
     async def generate(self, request: Any) -> Any:
         """Yield ``(replica id, snapshot, stats)`` for ``request``, the engine's stats with the first and
@@ -105,7 +107,7 @@ class ReplicaEngine:
             stream.close()
 
 
-class RemoteEngine:
+class RemoteEngine(RequestEngineBase):
     """The front end's engine for a model served by replicas: requests go to the deployment; the
     attributes the routes read are a replica's (:meth:`ReplicaEngine.facts`)."""
 

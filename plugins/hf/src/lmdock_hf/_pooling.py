@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from lmdock import BackendError, ModelConfig, UnsupportedError
-from lmdock.backend import PoolingInput
+from lmdock.backend import PoolingEngineBase, PoolingInput
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -34,7 +34,7 @@ def pad_batch(batch: Sequence[PoolingInput], pad_id: int) -> tuple[list[list[int
     return ids, mask, types
 
 
-class HFPoolingEngine:
+class HFPoolingEngine(PoolingEngineBase):
     """``lmdock.backend.PoolingEngine`` over a transformers encoder or one-label classifier."""
 
     def __init__(self, model: Any, tokenizer: Any, task: str, device: torch.device, max_seq_len: int, st: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 from lmdock import BackendError, ModelConfig, UnsupportedError
-from lmdock.backend import PoolingInput, pool_hidden
+from lmdock.backend import PoolingEngineBase, PoolingInput, pool_hidden
 
 from lmdock_onnx import __version__
 from lmdock_onnx._cache import cache_root, export_atomically, export_dir, export_key
@@ -83,7 +83,7 @@ def _export(mc: ModelConfig, folder: Path, out: Path, task: str, dtype: str, ops
             shutil.copy2(src, out / name)
 
 
-class OnnxPoolingEngine:
+class OnnxPoolingEngine(PoolingEngineBase):
     """``lmdock.backend.PoolingEngine`` over an ONNX Runtime session of an encoder or classifier."""
 
     def __init__(self, session: Any, tokenizer: Any, task: str, max_seq_len: int, st: dict[str, Any], hidden_size: int) -> None:

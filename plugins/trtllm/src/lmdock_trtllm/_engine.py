@@ -18,6 +18,7 @@ from lmdock.backend import (
     EngineRequest,
     Logprob,
     OutputSink,
+    RequestEngineBase,
     RequestOutput,
     read_model_json,
     safe_fail,
@@ -43,7 +44,7 @@ def _llm_class(api: Api) -> Any:
     return LLM
 
 
-class TrtllmEngine:
+class TrtllmEngine(RequestEngineBase):
     def __init__(self, llm: Any, api: Api, max_seq_len: int, generation_config: dict[str, Any], guided_backend: str | None = None,
                  vocab_size: int | None = None) -> None:
         self._llm = llm

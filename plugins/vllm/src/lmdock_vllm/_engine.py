@@ -39,6 +39,7 @@ from lmdock.backend import (
     EngineRequest,
     Logprob,
     OutputSink,
+    RequestEngineBase,
     RequestOutput,
     read_model_json,
     safe_fail,
@@ -77,7 +78,7 @@ class _Live:
                                         self.cached_tokens))
 
 
-class VllmEngine:
+class VllmEngine(RequestEngineBase):
     def __init__(self) -> None:
         self.tokenizer: Any = None
         self.max_seq_len = 0

@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 from lmdock import BackendError, ModelConfig, UnsupportedError
-from lmdock.backend import PoolingInput, pool_hidden
+from lmdock.backend import PoolingEngineBase, PoolingInput, pool_hidden
 
 from lmdock_vllm._build import check_torch_companions, engine_error, shutdown
 
 
-class VllmPoolingEngine:
+class VllmPoolingEngine(PoolingEngineBase):
     """``lmdock.backend.PoolingEngine`` over vLLM's pooling runner (a synchronous ``LLMEngine``)."""
 
     def __init__(self, engine: Any, tokenizer: Any, task: str, max_seq_len: int, st: dict[str, Any], hidden_size: int) -> None:
