@@ -4,10 +4,11 @@ against the first.
 
 1. ``--requests`` chat requests (``POST /v1/chat/completions`` on 127.0.0.1, each with its own image as
    an ``image_url`` data URL), all sent at once to ``lmdock serve`` (continuous batching: the decode
-   steps of all requests in one forward; each request's image encoded at its prefill), against
-   transformers' ``generate`` on the processor's ``apply_chat_template`` of the same conversation, one
-   request after another (what a plain transformers server does).  The ratio is transformers' time
-   over the server's (HTTP, JSON, base64 and image decoding included on the server's side).  Every
+   steps of all requests in one forward; the images of a step's prefills through the vision tower in
+   one run), against transformers' ``generate`` on the processor's ``apply_chat_template`` of the same
+   conversation, one request after another (what a plain transformers server does).  The ratio is
+   transformers' time over the server's (HTTP, JSON, base64 and image decoding included on the
+   server's side).  Every
    request's greedy text from the server is checked against transformers' decoded tokens (leading
    space aside: lmdock keeps the first token's SentencePiece space, as vLLM does).
 2. Time to the first token (a ``max_tokens=1`` request) of a second turn (the first turn's

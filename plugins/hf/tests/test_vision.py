@@ -2,7 +2,8 @@
 a second turn over the same image runs the vision tower once; Qwen2-VL's multimodal rotary positions
 through the prefix cache, forks and prefill chunks that cut an image apart; Gemma 3's bidirectional
 image tokens through prefill chunks that would cut them apart (prompt logprobs too); bad images are
-refused from the header with nothing held afterwards."""
+refused from the header with nothing held afterwards; image prompts of one step share one vision
+tower run and still give transformers' tokens."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from typing import Any
 import pytest
 from lmdock import LLM, RequestError, UnsupportedError
 from lmdock._llm.multimodal import ImageLimits, load_image
-from lmdock_conformance.zoo_vision import PLACEHOLDERS, build, load_processor, seeded_image
+from lmdock_conformance.zoo_vision import FAMILIES, PLACEHOLDERS, build, load_processor, seeded_image
+from lmdock_hf._tower import JOIN, groups, join
 from lmdock_hf._vision import SINCE, _version
 
 GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -78,7 +80,7 @@ def _refused_here(family: str, stories: str, tmp_path: Path) -> bool:
     return True
 
 
-def _transformers(path: str, prompt: str, images: list[Any]) -> list[int]:
+def _transformers(path: str, prompt: str, images: list[Any] | None) -> list[int]:
     """transformers' greedy tokens (``generate`` on the model's processor's outputs)."""
     import torch
     from transformers import AutoModelForImageTextToText
@@ -131,6 +133,48 @@ def test_qwen2_vl_image_split_across_prefill_chunks(qwen: tuple[Any, str] | None
     with LLM(path, backend="hf", max_num_batched_tokens=4) as llm:
         out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, GREEDY)[0]
     assert list(out.outputs[0].token_ids) == _transformers(path, prompt, [image])
+
+
+#: the families whose tower inputs concatenate across requests (``lmdock_hf._tower.JOIN``), as the zoo builds them here
+BATCHED = sorted(f for f in FAMILIES if f in JOIN)
+
+
+@pytest.mark.parametrize("family", BATCHED)
+def test_one_tower_run_for_a_step_of_image_prompts(family: str, tmp_path: Path) -> None:
+    """Three prompts with different images (one with two, of other sizes) and a text-only one, in one
+    ``generate``: their prefill chunks share a step, the vision tower runs fewer times than there are
+    image prompts, and each prompt's greedy tokens are transformers' own for that prompt alone."""
+    path = str(build(family, tmp_path / family))
+    image = PLACEHOLDERS[family]
+    prompts = [(f"Once upon a time {image} there", [seeded_image(41)]),
+               (f"Once {image} upon a time {image} there was", [seeded_image(42, (60, 40)), seeded_image(43)]),
+               ("Once upon a time there was a little girl", []),
+               (f"A girl {image} and a", [seeded_image(44, (30, 50))])]
+    with LLM(path, backend="hf") as llm:
+        vision = llm.engine.engine.vision
+        outs = llm.generate([{"prompt": p, "multi_modal_data": {"image": ims}} if ims else p for p, ims in prompts], GREEDY)
+        assert 0 < vision.encodes < 3
+    assert [list(o.outputs[0].token_ids) for o in outs] == [_transformers(path, p, ims or None) for p, ims in prompts]
+
+
+def test_tower_groups_join_only_what_concatenates() -> None:
+    """Idefics3's images join along the image axis only at one height and width; inputs with a key
+    the family's rule does not know run alone; a family without a rule runs each request alone."""
+    import torch
+
+    def idefics(images: int, side: int) -> dict[str, Any]:
+        return {"pixel_values": torch.zeros(1, images, 3, side, side), "pixel_attention_mask": torch.ones(1, images, side, side, dtype=torch.long)}
+
+    inputs = [idefics(5, 28), idefics(2, 28), idefics(5, 56), idefics(1, 28)]
+    assert groups("idefics3", inputs) == [[0, 1, 3], [2]]
+    joined = join("idefics3", [inputs[0], inputs[1]])
+    assert joined["pixel_values"].shape == (1, 7, 3, 28, 28) and joined["pixel_attention_mask"].shape == (1, 7, 28, 28)
+    qwen = [{"pixel_values": torch.zeros(24, 1176), "image_grid_thw": torch.tensor([[1, 4, 6]])},
+            {"pixel_values": torch.zeros(48, 1176), "image_grid_thw": torch.tensor([[1, 4, 6], [1, 4, 6]])},
+            {"pixel_values": torch.zeros(24, 1176), "image_grid_thw": torch.tensor([[1, 4, 6]]), "num_crops": torch.tensor([0])}]
+    assert groups("qwen2_vl", qwen) == [[0, 1], [2]]
+    assert join("qwen2_vl", qwen[:2])["image_grid_thw"].tolist() == [[1, 4, 6]] * 3
+    assert groups("llava_next", [{"pixel_values": torch.zeros(1, 3, 28, 28)}] * 2) == [[0], [1]]
 
 
 def test_a_text_model_given_an_image_is_refused(llm: Any) -> None:

@@ -113,6 +113,8 @@ class HFStepEngine(StepEngineBase):
     # KV tensors are inference tensors: every method that touches them runs in inference mode.
     @torch.inference_mode()
     def step(self, chunks: Sequence[SeqChunk]) -> StepOutput:
+        if self.vision is not None:  # the step's images through the tower together, before the forwards
+            self.vision.encode_step(chunks)
         if self.vision is not None and self.vision.ahead is not None:  # Gemma 3: never cut an image block (``_blocks``)
             return self.vision.ahead.step(self._step, chunks, self.vocab_size, self.device)
         return self._step(chunks)

@@ -2,11 +2,13 @@
 
 The model's own processor (``AutoProcessor``) turns a prompt and its images into token ids, with
 each image placeholder expanded to as many image tokens as the vision tower gives features, and
-pixel tensors.  At prefill, the vision tower runs once per request's images (the features are kept
-by the images' content hashes, so a second turn over the same images does not run it again); each
-prefill chunk takes the token embeddings of its ids and puts the image features where its image
-tokens are, as the model's own forward does with ``masked_scatter``.  The text side then runs as
-any prompt: slot cache, chunked prefill, continuous batching.
+pixel tensors.  At the start of a step, the vision tower runs once over the images of every request
+whose prefill chunk needs them, where the family's inputs concatenate (``lmdock_hf._tower``; else
+once per request's images); the features are kept by the images' content hashes, so a second turn
+over the same images does not run it again.  Each prefill chunk takes the token embeddings of its
+ids and puts the image features where its image tokens are, as the model's own forward does with
+``masked_scatter``.  The text side then runs as any prompt: slot cache, chunked prefill, continuous
+batching.
 
 The families run are LLaVA (CLIP tower, image features in place of ``<image>`` tokens), Idefics3 /
 SmolVLM, Qwen2-VL / Qwen2.5-VL, whose multimodal rotary positions ``lmdock_hf._mrope`` carries, and
@@ -17,12 +19,13 @@ refused at load with the reason (:data:`REFUSED`), never run with other tokens t
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from lmdock import BackendError, RequestError, UnsupportedError
 
-from lmdock_hf import _blocks, _mrope
+from lmdock_hf import _blocks, _mrope, _tower
 
 #: Vision-language families run exactly (their conformance tests hold them to transformers' generate).
 SUPPORTED = {"llava", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "gemma3"}
@@ -71,8 +74,9 @@ class Vision:
         self.image_token_id = int(token if token is not None else cfg.image_token_index)
         self.processor = processor
         self.model = model
+        self.family = str(cfg.model_type)
         self.features: OrderedDict[tuple[str, ...], torch.Tensor] = OrderedDict()
-        #: how many times the vision tower ran (a request's images at once), for stats and tests
+        #: how many times the vision tower ran (one run may take several requests' images), for stats and tests
         self.encodes = 0
         # transformers 4.x returns the features themselves and takes no return_dict (a TypeError there)
         self._returns_dict = _is_v5()
@@ -125,26 +129,56 @@ class Vision:
         embeds[0, here] = rows
         return embeds
 
+    def encode_step(self, chunks: Sequence[Any]) -> None:
+        """Before a step's forwards: the images of every chunk that holds image tokens and whose
+        request's features are not kept, through the tower in as few runs as the family's inputs
+        allow (``lmdock_hf._tower``).  At most :data:`_CACHED` requests, so none is evicted before its forward."""
+        waiting: dict[tuple[str, ...], Any] = {}
+        for c in chunks:
+            data = c.multi_modal
+            if data is not None and data.key not in self.features and _holds_images(c) and len(waiting) < _CACHED:
+                waiting.setdefault(data.key, data)
+        requests = list(waiting.values())
+        inputs = [self._inputs(data) for data in requests]
+        for group in _tower.groups(self.family, inputs):
+            self._encode([requests[i] for i in group], [inputs[i] for i in group])
+
     def _encoded(self, data: Any) -> torch.Tensor:
         """All the request's image features, ``[image tokens, hidden]``, from the cache or the tower."""
         found = self.features.get(data.key)
         if found is not None:
             self.features.move_to_end(data.key)
             return found
-        inputs = {k: _on(v, self.model) for k, v in data.processed.items() if k not in _ENGINE_KEYS}
+        return self._encode([data], [self._inputs(data)])[0]
+
+    def _inputs(self, data: Any) -> dict[str, Any]:
+        return {k: v for k, v in data.processed.items() if k not in _ENGINE_KEYS}
+
+    def _encode(self, requests: list[Any], inputs: list[dict[str, Any]]) -> list[torch.Tensor]:
+        """One tower run over the requests' images; each request's features, kept by its key."""
+        joined = {k: _on(v, self.model) for k, v in _tower.join(self.family, inputs).items()}
         if self._returns_dict:  # transformers 5: a ModelOutput whose pooler_output holds the features
-            inputs["return_dict"] = True
-        out = self.model.get_image_features(**inputs)
+            joined["return_dict"] = True
+        out = self.model.get_image_features(**joined)
         feats = getattr(out, "pooler_output", out)
         feats = torch.cat([f.reshape(-1, f.shape[-1]) for f in feats]) if isinstance(feats, (list, tuple)) else feats.reshape(-1, feats.shape[-1])
-        want = len(data.processed["image_positions"])
-        if feats.shape[0] != want:
-            raise BackendError(f"the vision tower gave {feats.shape[0]} image features for {want} image tokens")
+        want = [len(data.processed["image_positions"]) for data in requests]
+        if feats.shape[0] != sum(want):
+            raise BackendError(f"the vision tower gave {feats.shape[0]} image features for {sum(want)} image tokens")
         self.encodes += 1
-        self.features[data.key] = feats
+        # a request's own copy where several share the run: a kept view would hold all their features
+        split = list(torch.split(feats, want)) if len(requests) == 1 else [f.clone() for f in torch.split(feats, want)]
+        for data, mine in zip(requests, split):
+            self.features[data.key] = mine
         while len(self.features) > _CACHED:
             self.features.popitem(last=False)
-        return feats
+        return split
+
+
+def _holds_images(chunk: Any) -> bool:
+    """Whether the chunk's positions take any of its prompt's image tokens."""
+    where = chunk.multi_modal.processed["image_positions"]
+    return bool(((where >= chunk.start) & (where < chunk.start + len(chunk.token_ids))).any())
 
 
 def _is_v5() -> bool:
