@@ -277,3 +277,16 @@ def test_the_draft_length_adapts_to_what_was_kept(isolated: Any, method: str) ->
         # steps); the next wait, 16 steps, outlasts the request
         assert len(scripted.limits) == 4 + 4
         assert stats["spec_decode_num_accepted_tokens"] == 0
+
+
+def test_the_per_sequence_state_of_ended_sequences_is_pruned(isolated: Any, monkeypatch: Any) -> None:
+    from lmdock._engine import speculative
+
+    monkeypatch.setattr(speculative, "FORGET_AT", 2)
+    plugin()
+    with LLM("m", backend="fake", speculative_config=NGRAM) as llm:
+        for prompt in PROMPTS * 2:  # one at a time: each ends before the next starts
+            llm.generate([prompt], PARAMS["greedy"])
+        spec = llm.engine.spec
+        assert spec.num_drafts > 0
+        assert len(spec._wait) <= 3 and len(spec._length) <= 3  # pruned to the step's sequence, plus the last one's

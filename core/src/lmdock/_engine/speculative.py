@@ -51,6 +51,9 @@ log = logging.getLogger("lmdock.engine")
 
 #: the longest wait (in steps) of a sequence whose proposals keep being rejected
 MAX_BACKOFF = 16
+#: per-sequence state held past this many sequences is pruned to the sequences of the step (a sequence
+#: that ended in a step without drafts leaves its entry; a pruned one starts again from ``k``)
+FORGET_AT = 4096
 
 
 def truncate(engine: StepEngineBase, seq_id: int, length: int) -> bool:
@@ -100,6 +103,8 @@ class Speculation:
         """Turn the chunks of decoding sequences into verify rows (in place); remember their drafts.
         ``kv_room``: the KV positions free after the plan (None: no limit known)."""
         self.drafts = {}
+        if len(self._wait) > FORGET_AT:
+            self._forget(plan)
         if self.off is not None or (self.config.disable_by_batch_size and len(plan) >= self.config.disable_by_batch_size):
             return
         rows = [i for i, (seq, n) in enumerate(plan) if self._wants(seq, n, chunks[i])]
@@ -211,6 +216,11 @@ class Speculation:
         self._length[seq_id] = min(self.k, length + 2) if kept == drafted else max(1, length - 1)
         _, nxt = self._wait.get(seq_id, (0, 1))
         self._wait[seq_id] = (0, 1) if kept or length > 1 else (nxt, min(2 * nxt, MAX_BACKOFF))
+
+    def _forget(self, plan: Sequence[tuple[Any, int]]) -> None:
+        ids = {seq.seq_id for seq, _ in plan}
+        self._wait = {i: w for i, w in self._wait.items() if i in ids}
+        self._length = {i: n for i, n in self._length.items() if i in ids}
 
     def _turn_off(self, reason: str) -> None:
         if self.off is None:
