@@ -38,7 +38,19 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).parent))
+# benchmarks/mlx.py would shadow the mlx namespace package (--backend mlx): keep this folder off the
+# path and load the shared helpers by file, as benchmarks/mlx.py does
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+
+def _common() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_bench_common", _HERE / "_common.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
 
 OPENINGS = ["Once upon a time", "One day, a little", "Tom and Sue went", "The sun was", "Lily had a big",
             "There was a dog", "Ben liked to", "Mom said"]
@@ -144,19 +156,19 @@ def main() -> None:
 def setup_hf(args: Any, spec: dict[str, Any]) -> tuple[Any, Any, dict[str, list[list[int]]], Any]:
     """lmdock-hf off and on, the workloads written by transformers, and transformers' generate."""
     import torch
-    from _common import machine, models_dir
     from lmdock import LLM
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(1)
-    path = str(models_dir() / "stories260K")
+    common = _common()
+    path = str(common.models_dir() / "stories260K")
     tok = AutoTokenizer.from_pretrained(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     loads = workloads(tok, hf, args.tokens)
     opts = {"backend": "hf", "backends": {"hf": {"num_threads": 1}}, "kv_cache": {"enable_prefix_caching": False}}
     off = LLM(path, **opts)
     on = LLM(path, speculative_config=spec, **opts)
-    print(machine())
+    print(common.machine())
 
     def run_hf(prompts: list[list[int]], lookup: int | None) -> list[list[int]]:
         extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
@@ -174,11 +186,10 @@ def setup_hf(args: Any, spec: dict[str, Any]) -> tuple[Any, Any, dict[str, list[
 def setup_engine(backend: str, spec: dict[str, Any]) -> tuple[Any, Any, dict[str, list[list[int]]]]:
     """Another step engine off and on (``BACKENDS``), and the workloads it writes itself."""
     import lmdock
-    from _common import models_dir
     from lmdock import LLM
 
     where, threads = BACKENDS[backend]
-    path = str(models_dir() / where)
+    path = str(_common().models_dir() / where)
     opts = {"backend": backend, "backends": {backend: threads}, "kv_cache": {"enable_prefix_caching": False}}
     off = LLM(path, **opts)
     on = LLM(path, speculative_config=spec, **opts)
