@@ -223,3 +223,70 @@ def test_ngram_index_finds_the_longest_suffix_at_its_latest_occurrence() -> None
     seq += [3]  # suffix (1, 2, 3) occurred ending at 6
     assert idx.lookup(seq, 2) == [7, 1]
     assert NgramIndex(2, 2).lookup([4, 5, 6], 3) == []  # nothing to look up
+
+
+class ScriptedProposer:
+    """A proposer whose drafts are all right (the FAKE engine's greedy chain) or all wrong (a token
+    greedy never picks there); it records the limit of each proposal."""
+
+    def __init__(self) -> None:
+        self.limits: list[int] = []
+
+    @lmdock_hookimpl(tryfirst=True)
+    def lmdock_speculative_proposer(self, config: Any, engine: Any, model_config: Any) -> Any:
+        if config.method not in ("right", "wrong"):
+            return None
+        recorder = self
+
+        class Scripted:
+            def propose(self, seqs: Any, limits: Any) -> list[list[int]]:
+                out = []
+                for seq, k in zip(seqs, limits):
+                    recorder.limits.append(k)
+                    tokens, draft = list(seq.token_ids), []
+                    for _ in range(k):
+                        row = repetitive(tokens)
+                        draft.append(int(row.argmax() if config.method == "right" else row.argmin()))
+                        tokens.append(draft[-1])
+                    out.append(draft)
+                return out
+
+            def accepted(self, seq: Any, kept: int) -> None: ...
+            def close(self) -> None: ...
+
+        return Scripted()
+
+
+@pytest.mark.parametrize("method", ["right", "wrong"])
+def test_the_draft_length_adapts_to_what_was_kept(isolated: Any, method: str) -> None:
+    """transformers' heuristic schedule: +2 after a proposal kept whole (up to k), -1 otherwise (down to 1);
+    then a rejected one-draft proposal makes the sequence wait 1, 2, 4 ... steps."""
+    plugin()
+    scripted = ScriptedProposer()
+    _plugins.get_registry().add_plugin(scripted, "scripted")
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    on, stats = run(params, {"method": method, "num_speculative_tokens": 4, "disable_by_batch_size": None}, prompts=PROMPTS[:1])
+    off, _ = run(params, None, prompts=PROMPTS[:1])
+    assert on == off
+    if method == "right":  # every draft kept: each proposal as long as k and max_tokens allow
+        assert scripted.limits[:5] == [4, 4, 4, 4, 4]
+        assert stats["spec_decode_acceptance_rate"] == 1.0
+    else:  # nothing kept: 4, 3, 2, 1 drafts, then one-draft proposals with waits of 1, 2, 4, 8 steps between
+        assert scripted.limits == [4, 3, 2, 1] + [1] * (len(scripted.limits) - 4)
+        # 39 decoding steps: proposals at steps 1-4, then at 6, 9, 14 and 23 (after waits of 1, 2, 4 and 8
+        # steps); the next wait, 16 steps, outlasts the request
+        assert len(scripted.limits) == 4 + 4
+        assert stats["spec_decode_num_accepted_tokens"] == 0
+
+
+def test_the_per_sequence_state_of_ended_sequences_is_pruned(isolated: Any, monkeypatch: Any) -> None:
+    from lmdock._engine import speculative
+
+    monkeypatch.setattr(speculative, "FORGET_AT", 2)
+    plugin()
+    with LLM("m", backend="fake", speculative_config=NGRAM) as llm:
+        for prompt in PROMPTS * 2:  # one at a time: each ends before the next starts
+            llm.generate([prompt], PARAMS["greedy"])
+        spec = llm.engine.spec
+        assert spec.num_drafts > 0
+        assert len(spec._wait) <= 3 and len(spec._length) <= 3  # pruned to the step's sequence, plus the last one's

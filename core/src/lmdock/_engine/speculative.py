@@ -25,7 +25,10 @@ Afterwards the sequence keeps the KV positions of the drafts it accepted; the re
 state cannot be cut (``fork_truncates = False``: recurrent layers), runs without speculation, which a
 log line and ``stats()["spec_decode_off"]`` say.
 
-Adaptive: a sequence whose proposals are all rejected waits 1, 2, 4 ... 16 steps before it proposes
+Adaptive, per sequence, as transformers' "heuristic" schedule of assistant tokens: a proposal
+kept whole lets the next one be two drafts longer (up to ``num_speculative_tokens``), any other one
+drafts less (one fewer, down to one), so a verify row is as wide as the sequence's drafts have been
+worth; a sequence whose one-draft proposal is rejected then waits 1, 2, 4 ... 16 steps before it proposes
 again (any accepted token resets it), so text with nothing to look up costs little; with
 ``disable_by_batch_size`` sequences in a step or more, no row speculates (vLLM's knob).  Beam search
 runs without speculation.
@@ -48,6 +51,9 @@ log = logging.getLogger("lmdock.engine")
 
 #: the longest wait (in steps) of a sequence whose proposals keep being rejected
 MAX_BACKOFF = 16
+#: per-sequence state held past this many sequences is pruned to the sequences of the step (a sequence
+#: that ended in a step without drafts leaves its entry; a pruned one starts again from ``k``)
+FORGET_AT = 4096
 
 
 def truncate(engine: StepEngineBase, seq_id: int, length: int) -> bool:
@@ -81,6 +87,7 @@ class Speculation:
         #: this step's drafts, by plan row
         self.drafts: dict[int, list[int]] = {}
         self._wait: dict[int, tuple[int, int]] = {}  # seq_id -> (steps left to wait, next wait)
+        self._length: dict[int, int] = {}  # seq_id -> drafts its next proposal may have (k when absent)
         self.num_drafts = 0  # verify rows
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -96,6 +103,8 @@ class Speculation:
         """Turn the chunks of decoding sequences into verify rows (in place); remember their drafts.
         ``kv_room``: the KV positions free after the plan (None: no limit known)."""
         self.drafts = {}
+        if len(self._wait) > FORGET_AT:
+            self._forget(plan)
         if self.off is not None or (self.config.disable_by_batch_size and len(plan) >= self.config.disable_by_batch_size):
             return
         rows = [i for i, (seq, n) in enumerate(plan) if self._wants(seq, n, chunks[i])]
@@ -135,7 +144,7 @@ class Speculation:
     def _limit(self, seq: Seq) -> int:
         """Drafts worth proposing: ``k``, less what max_tokens or the context leave (the last
         token a sequence may have needs no draft: it is sampled anyway)."""
-        limit = min(self.k, self.engine.max_seq_len - len(seq.token_ids))
+        limit = min(self._length.get(seq.seq_id, self.k), self.engine.max_seq_len - len(seq.token_ids))
         max_new = seq.row.params.max_new_tokens
         if max_new is not None:
             limit = min(limit, max_new - seq.num_output - 1)
@@ -188,10 +197,10 @@ class Speculation:
         self.num_accepted_tokens += kept
         for j in range(kept):
             self.accepted_per_pos[j] += 1
-        left, nxt = self._wait.get(seq.seq_id, (0, 1))
-        self._wait[seq.seq_id] = (0, 1) if kept else (nxt, min(2 * nxt, MAX_BACKOFF))
+        self._adapt(seq.seq_id, len(draft), kept)
         if not live(seq) or any(f[0] is seq for f in failures):
             self._wait.pop(seq.seq_id, None)
+            self._length.pop(seq.seq_id, None)
             return  # finished or failed: released already, or about to be
         seq.num_computed += kept
         self.proposer.accepted(seq, kept)
@@ -199,6 +208,19 @@ class Speculation:
             self._turn_off("the engine's truncate() refused to cut a sequence back")
             self.kv.free(seq)  # its state holds rejected drafts: it is computed again from the start
             seq.num_computed = 0
+
+    def _adapt(self, seq_id: int, drafted: int, kept: int) -> None:
+        """The next proposal's length (+2 after one kept whole, else -1), and the wait after a
+        rejected one-draft proposal (doubling up to ``MAX_BACKOFF`` steps)."""
+        length = self._length.get(seq_id, self.k)
+        self._length[seq_id] = min(self.k, length + 2) if kept == drafted else max(1, length - 1)
+        _, nxt = self._wait.get(seq_id, (0, 1))
+        self._wait[seq_id] = (0, 1) if kept or length > 1 else (nxt, min(2 * nxt, MAX_BACKOFF))
+
+    def _forget(self, plan: Sequence[tuple[Any, int]]) -> None:
+        ids = {seq.seq_id for seq, _ in plan}
+        self._wait = {i: w for i, w in self._wait.items() if i in ids}
+        self._length = {i: n for i, n in self._length.items() if i in ids}
 
     def _turn_off(self, reason: str) -> None:
         if self.off is None:
