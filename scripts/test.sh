@@ -205,8 +205,9 @@ echo "vllm environment installed in $(( $(date +%s) - vllm_t0 )) s"
 vllm_t0=$(date +%s)
 (export VLLM_CPU_KVCACHE_SPACE=1; "$ENVS/vllm/bin/lmdock" generate -m stories-vllm "Once upon a time")
 echo "lmdock generate on vllm (engine start and one request) took $(( $(date +%s) - vllm_t0 )) s"
-# The suites open several LLMs in one process, so vLLM's engine core runs in its own process there
-# (vLLM's default); the generate above ran it in-process (lmdock.toml's multiprocessing = false).
+# The plugin tests and the conformance suite hold several LLMs open at once, so vLLM's engine core runs
+# in its own process there (vLLM's default; a test that opens one at a time sets multiprocessing =
+# false); the generate above and the family run below run it in-process.
 VLLM_CPU_KVCACHE_SPACE=1 t "$vl" plugins/vllm/tests --deselect plugins/vllm/tests/test_requests.py::test_tensor_parallel_2_gives_the_greedy_reference
 # TP=2 starts two rank processes, bound one to each CPU: it runs on its own, with no other engine alive
 # (inside the run above, after other engines, its engine core failed to start; alone it passes)
