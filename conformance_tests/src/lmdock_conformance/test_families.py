@@ -2,8 +2,10 @@
 at load with the reason; a silent divergence is the one outcome that fails.
 
 Run with ``--lmdock-zoo=DIR`` (built by ``python -m lmdock_conformance.zoo build DIR``); each family
-loads once (its tests share the engine), except the test that switches prefix caching off.  The
-sequences run past the zoo's 16-token windows: 40-token prompts and 24 new tokens.
+loads once (its tests share the engine), except the test that switches prefix caching off: it runs
+last and shuts the shared engine down before it opens its own, so one engine is alive at a time (a
+backend may allow only one per process: vLLM with its engine core in-process).  The sequences run
+past the zoo's 16-token windows: 40-token prompts and 24 new tokens.
 """
 
 from __future__ import annotations
@@ -153,7 +155,7 @@ def test_shared_prefix_with_prefix_caching(family_llm: Any, zoo: dict[str, Any],
 
 def test_shared_prefix_without_prefix_caching(lmdock_setup: Any, pytestconfig: pytest.Config, family_llm: Any, family_model: str,
                                               zoo: dict[str, Any], zoo_family: str) -> None:
-    _loaded(family_llm, zoo_family)
+    _loaded(family_llm, zoo_family).shutdown()  # the family's last test (see the module's docstring)
     with _llm(lmdock_setup, pytestconfig, family_model, kv_cache={"enable_prefix_caching": False}) as llm:
         prompts = zoo["prompts"]["prefix"]
         for i, prompt in enumerate(prompts):

