@@ -4,7 +4,7 @@ text on a tiny LLaVA (lmdock_conformance.zoo_vision); bad images, too many image
 one and file paths outside ``[server] image_dir`` are 400s naming what is wrong, with nothing held.  With
 ``[server] image_fetch`` on, an http URL is fetched (from a 127.0.0.1 server, allowed through
 ``image_fetch_allow``), and one to a private address or over ``image_fetch_max_bytes`` is a 400
-(the fetcher's bounds in detail, and the default off: core/tests/test_image_fetch.py)."""
+(the fetcher's bounds in detail, and the default off: core/tests_serve/test_image_fetch.py)."""
 
 from __future__ import annotations
 
