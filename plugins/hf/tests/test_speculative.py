@@ -101,7 +101,7 @@ def test_a_recurrent_model_runs_without_speculation_and_says_why(stories: str, t
     from lmdock_hf._family import states_api
 
     if not states_api():  # transformers < 5.21: lmdock-hf refuses hybrids at load, saying so
-        with pytest.raises(UnsupportedError, match=r"recurrent \(SSM / conv\) layers.*upgrade transformers"):
+        with pytest.raises(UnsupportedError, match=r"lacks 'recurrent_state'.*transformers>=5\.21"):
             LLM(str(path), backend="hf", speculative_config=NGRAM)
         return
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
