@@ -226,7 +226,7 @@ def test_portable_configs_reach_llama_cpp() -> None:
                       scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256))
     try:
         assert eng.max_seq_len == 128
-        assert eng.kv_capacity_tokens >= 1024 and eng.n_batch == 256 and eng.n_seq_max == 4 + 32
+        assert eng.kv_capacity_tokens >= 1024 and eng.n_batch == 256 and eng.n_seq_max == 2 * 4 + 32
         assert int(np.argmax(prefill(eng, 0, PROMPT))) == GREEDY_8[0]  # f16 KV keeps the greedy choice here
     finally:
         eng.close()

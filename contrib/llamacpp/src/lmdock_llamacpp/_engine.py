@@ -243,7 +243,12 @@ class LlamaCppStepEngine(StepEngineBase):
         train = lc.llama_model_n_ctx_train(self.model)
         n_batch = options.n_batch or build.get("max_num_batched_tokens") or 2048
         limit = lc.llama_max_parallel_sequences()
-        self.n_seq_max = options.n_seq_max or min(limit, (build.get("max_num_seqs") or 32) + 32)
+        # room for a full batch being released while the next is admitted (a burst of aborts: the ids of
+        # the ending sequences are given back as the new ones take theirs), plus the prefix cache's
+        # sequences and forks; max_num_seqs + 32 ran out under the conformance suite's 200 requests
+        # with random aborts (2 runs in 6), where 2 x max_num_seqs + 32 never did (8 of 8)
+        seqs = build.get("max_num_seqs") or 32
+        self.n_seq_max = options.n_seq_max or min(limit, 2 * seqs + 32)
         threads = options.n_threads or physical_cores()
         float_file = self.file_type == "F32"
         kv = build.get("kv_type") or ("f32" if float_file else "f16")
