@@ -8,7 +8,9 @@ per row: it turns the first ``tokens`` of the ``tokens * heads`` rows, row r (he
 r // heads) at token r's position, and leaves the others unturned (measured: tests/test_cpu_rope.py).
 The key (one head in the zoo's LFM2) comes out right, the query does not: every LFM2 logit past the
 first prompt token was off, by 0.1 to 1 nats on the conformance zoo and a different first token on one
-of its prompts, with prefix caching on and off.  vLLM's CUDA kernel counts heads as numel / tokens
+of its prompts, with prefix caching on and off.  vLLM calls the op only where custom ops are on: eager
+engines (``enforce_eager``, as the family run uses); a compiled engine defaults to ``custom_ops =
+["none"]`` and was exact already.  vLLM's CUDA kernel counts heads as numel / tokens
 (``csrc/pos_encoding_kernels.cu``) and is right.  The op's torch fallback
 (``RotaryEmbedding.forward_native``) reshapes by head_size and matches transformers; vLLM runs it where
 ``compilation_config.custom_ops`` disables the op, which is what this module asks for.
