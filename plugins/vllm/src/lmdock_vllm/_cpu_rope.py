@@ -23,7 +23,9 @@ from typing import Any
 
 from lmdock import UnsupportedError
 
-#: model_type -> families whose vLLM port calls the op with per-head [tokens, heads, head_size] tensors
+#: model_type -> families whose vLLM port calls the op with per-head [tokens, heads, head_size] tensors.
+#: lfm2_moe, measured on a tiny random checkpoint (2 query heads, eager): 8 of 14 prompt prefixes' logprobs
+#: off by more than 1e-3 against transformers without the option, none with it
 PER_HEAD_ROPE = frozenset({"lfm2", "lfm2_moe"})
 #: vLLM's name for the op, and the directive that makes its layers run forward_native
 OP = "rotary_embedding"
