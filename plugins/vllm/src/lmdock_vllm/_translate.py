@@ -16,6 +16,7 @@ from typing import Any
 from lmdock import ModelConfig, QuantConfig, RequestError, SamplingParams, UnsupportedError
 from lmdock.backend import read_model_json
 
+from lmdock_vllm import _cpu_rope
 from lmdock_vllm._config_drift import hf_overrides
 
 #: lmdock QuantConfig.algo -> vLLM's online quantization method (weights quantized as they load).
@@ -94,7 +95,9 @@ def engine_kwargs(mc: ModelConfig, *, cpu: bool) -> dict[str, Any]:
     _kv_size(mc, cpu, kwargs)
     kwargs.update(lora_kwargs(mc, cpu))
     kwargs["speculative_config"] = speculative_config(getattr(mc, "speculative", None) or {})
-    kwargs["hf_overrides"] = hf_overrides(read_model_json(mc.model, "config.json")) or None
+    config = read_model_json(mc.model, "config.json")
+    kwargs["hf_overrides"] = hf_overrides(config) or None
+    kwargs["compilation_config"] = _cpu_rope.compilation_config(config, cpu=cpu)
     if mc.offload.weights_gpu_percent < 100.0:
         raise UnsupportedError(
             "offload: vLLM offloads weights by size, not by share; remove [offload] and set "
@@ -240,9 +243,12 @@ def with_options(kwargs: dict[str, Any], options: Any, quant_method: str | None)
         raise UnsupportedError("speculative decoding is set twice: in [models.NAME.speculative] (or LLM(speculative_config=...)) "
                                "and in backends.vllm.engine_args.speculative_config; keep one")
     drift, user = out.get("hf_overrides"), options.engine_args.get("hf_overrides")
+    rope = out.get("compilation_config")
     out.update(options.engine_args)
     if isinstance(drift, dict) and isinstance(user, dict):  # the user's overrides win, key by key
         out["hf_overrides"] = {**drift, **user}
+    if rope is not None and "compilation_config" in options.engine_args:
+        out["compilation_config"] = _cpu_rope.merge(rope, options.engine_args["compilation_config"], str(out.get("model")))
     return out
 
 
