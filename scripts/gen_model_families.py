@@ -43,6 +43,12 @@ Gemma scales its embeddings by sqrt(hidden): with the zoo's usual std-1.0 embedd
 stream drowned the attention output and full attention gave the windowed tokens exactly, so the
 Gemma checkpoints draw embeddings at 1/8 and double the post-attention norms.
 
+**refused (exact ≤ window)**: refused at full length for its sliding window alone, and exact with the
+context capped at the window (`build.max_seq_len` at most the window, as the refusal says): no token
+is then ever further back than the window, so a backend that attends to everything computes the
+windowed model; the family tests check it (`test_a_context_within_the_window_runs_without_one`: a
+5-token prompt generating to the 16-token cap) and the loader allows it (`ModelFeatures.within`).
+
 **exact**: every family test gave transformers' tokens (a divergence only where the reference's top-2
 margin is under 1e-3, a tie). **refused**: the load raised `UnsupportedError`; the reason is below.
 **not run**: the backend's family tests have not run on this family (see the notes). **no GGUF**:
@@ -97,22 +103,29 @@ def render(runs: dict[str, dict]) -> str:
 def _cell(outcome: dict | None) -> str:
     if outcome is None:
         return "not run"
-    return {"exact": "exact", "refused": "refused", "diverged": "**diverges**"}.get(outcome["outcome"], outcome["outcome"])
+    cell = {"exact": "exact", "refused": "refused", "diverged": "**diverges**"}.get(outcome["outcome"], outcome["outcome"])
+    return f"{cell} (exact ≤ window)" if outcome.get("within_window") == "exact" else cell
 
 
 def compare(run_file: Path) -> list[str]:
     """How a family run's outcomes differ from the committed ``docs/families/NAME.json`` (a refusal's
-    reason may change wording; its outcome may not)."""
+    reason may change wording; its outcome, and a refusal's exactness within the window, may not)."""
     run = json.loads(run_file.read_text())
     committed = DATA / f"{run['backend']}.json"
     if not committed.is_file():
         return [f"no {committed.relative_to(ROOT)}: copy {run_file} there and run python scripts/gen_model_families.py"]
     want = _outcomes(json.loads(committed.read_text()))
     got = _outcomes(run)
-    diffs = [f"{f}: committed {want[f]['outcome'] if f in want else 'not run'}, this run {got[f]['outcome'] if f in got else 'not run'}"
+    diffs = [f"{f}: committed {_cell(want.get(f))}, this run {_cell(got.get(f))}"
              f"{(' (' + got[f]['reason'] + ')') if f in got and got[f]['reason'] else ''}"
-             for f in sorted(want.keys() | got.keys()) if (want.get(f) or {}).get("outcome") != (got.get(f) or {}).get("outcome")]
+             for f in sorted(want.keys() | got.keys()) if _verdict(want.get(f)) != _verdict(got.get(f))]
     return diffs
+
+
+def _verdict(outcome: dict | None) -> tuple[str | None, str | None]:
+    """What a run must reproduce of a family's outcome: the outcome, and whether a refused windowed family
+    was exact with the context capped at its window (the reason's wording may change)."""
+    return (outcome or {}).get("outcome"), (outcome or {}).get("within_window")
 
 
 def _outcomes(run: dict) -> dict[str, dict]:

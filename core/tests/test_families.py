@@ -150,3 +150,22 @@ def test_a_model_whose_config_cannot_be_read_is_left_to_the_engine(isolated: Pat
     with LLM("some-org/not-in-any-cache", backend="plain"):
         pass
     assert loads == ["plain"]
+
+
+def test_a_context_capped_at_the_window_needs_no_window(isolated: Path) -> None:
+    """No token of a context at most the window long is further back than the window, so a backend that
+    attends to everything computes the windowed model exactly; the refusal says so."""
+    loads: list[str] = []
+    _register("plain", loads, lacks={"sliding_window": "it attends to the whole context"})
+    mistral = _model(isolated, MISTRAL)
+    with pytest.raises(UnsupportedError, match=r"lacks 'sliding_window'.*build\.max_seq_len = 16 or less"):
+        LLM(mistral, backend="plain")
+    with pytest.raises(UnsupportedError, match="lacks 'sliding_window'"):
+        LLM(mistral, backend="plain", build={"max_seq_len": 17})
+    with LLM(mistral, backend="plain", build={"max_seq_len": 16}):
+        pass
+    assert loads == ["plain"]
+    # the cap lifts the window only: Gemma 2's soft-capping is still needed
+    with pytest.raises(UnsupportedError, match="lacks 'logit_softcapping'"):
+        LLM(_model(isolated, GEMMA2), backend="plain", build={"max_seq_len": 8})
+    assert config_features(MISTRAL).within(16).features == {} and config_features(MISTRAL).within(None).window == 16

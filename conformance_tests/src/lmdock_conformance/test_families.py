@@ -86,7 +86,7 @@ def _llm(setup: Any, config: pytest.Config, model: str, **extra: Any) -> Any:
     if not config.getoption("--lmdock-zoo-probe"):
         return LLM(model, backend=setup.backend, **{**setup.options, **extra})
     with pytest.MonkeyPatch.context() as patch:  # what the engine does where nothing refuses the model
-        patch.setattr("lmdock._plugin.declare.refuse_unsupported_family", lambda spec, model: None)
+        patch.setattr("lmdock._plugin.declare.refuse_unsupported_family", lambda spec, model, max_seq_len=None: None)
         return LLM(model, backend=setup.backend, **{**setup.options, **extra})
 
 
@@ -160,3 +160,34 @@ def test_shared_prefix_without_prefix_caching(lmdock_setup: Any, pytestconfig: p
         prompts = zoo["prompts"]["prefix"]
         for i, prompt in enumerate(prompts):
             _check(zoo, zoo_family, [prompt], llm.generate([prompt], _params(zoo)), f"shared prefix, request {i + 1}, prefix caching off")
+
+
+def test_a_context_within_the_window_runs_without_one(lmdock_setup: Any, pytestconfig: pytest.Config, family_llm: Any,
+                                                       family_model: str, zoo: dict[str, Any], zoo_family: str) -> None:
+    """A backend without windows loads a windowed family when ``build.max_seq_len`` caps the context at the
+    window (lmdock._plugin.families.ModelFeatures.within) and gives transformers' tokens up to that cap."""
+    from lmdock._plugin.declare import family_refusal
+    from lmdock._plugin.families import model_features
+
+    found = model_features(family_model)
+    if found is None or found.window is None:
+        pytest.skip(f"{zoo_family} has no sliding window")
+    spec = lmdock_setup.spec
+    if spec.capability("sliding_window", found.model_type)[0]:
+        pytest.skip(f"{spec.name} keeps {zoo_family}'s window: the tests above run past it")
+    if why := family_refusal(spec, found.within(found.window), family_model):
+        pytest.skip(f"refused for more than its window: {why}")
+    assert family_llm is None  # refused at full length (for the window alone), so no engine of the family is alive
+    prompt = zoo["prompts"]["batch"][0]
+    room = found.window - len(prompt)
+    try:
+        llm = _llm(lmdock_setup, pytestconfig, family_model, build={"max_seq_len": found.window})
+    except UnsupportedError as exc:  # the engine's own check at load (an architecture it does not implement)
+        pytest.skip(f"refused at load with the context capped at the window: {exc}")
+    with llm:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_new_tokens=room, ignore_eos=True))
+    from lmdock_conformance.zoo import key
+
+    ref = zoo["families"][zoo_family]["reference"][key(prompt)]
+    diff = first_divergence(list(out[0].outputs[0].token_ids), {k: v[:room] for k, v in ref.items()}, zoo["tie_margin"])
+    assert diff is None, f"{zoo_family}, a context capped at its {found.window}-token window: {diff}"

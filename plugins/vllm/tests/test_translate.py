@@ -223,3 +223,16 @@ def test_a_config_that_has_the_keys_keeps_them(tmp_path: Path) -> None:
     kwargs = engine_kwargs(_mc(model=_lfm2_folder(tmp_path, conv_dim=48, block_dim=48)), cpu=True)
     assert "hf_overrides" not in kwargs
     assert "hf_overrides" not in engine_kwargs(_mc(), cpu=True)  # no config.json: nothing to translate
+
+
+def test_a_context_capped_at_qwen2s_window_runs_its_layers_full(tmp_path: Path) -> None:
+    """vLLM's Qwen2 stops at load on windows over some layers only; with build.max_seq_len at most the window,
+    no token is ever further back than it, so lmdock-vllm hands vLLM every layer as full attention (the
+    conformance family test "within the window" checks the tokens against transformers')."""
+    config = {"model_type": "qwen2", "sliding_window": 16, "use_sliding_window": True, "max_window_layers": 1,
+              "num_hidden_layers": 2, "layer_types": ["full_attention", "sliding_attention"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    capped = engine_kwargs(_mc(model=str(tmp_path), build={"max_seq_len": 16}), cpu=True)
+    assert capped["hf_overrides"] == {"layer_types": ["full_attention"] * 2, "use_sliding_window": False}
+    assert "hf_overrides" not in engine_kwargs(_mc(model=str(tmp_path), build={"max_seq_len": 17}), cpu=True)
+    assert "hf_overrides" not in engine_kwargs(_mc(model=str(tmp_path)), cpu=True)

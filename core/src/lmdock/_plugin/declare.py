@@ -94,17 +94,18 @@ class Backend:
         has_offload, why = self.spec.capability("offload")
         if mc.offload.enabled and not has_offload:
             raise UnsupportedError(f"{who} does not offload weights ({why}); remove [offload]")
-        refuse_unsupported_family(self.spec, mc.model)
+        refuse_unsupported_family(self.spec, mc.model, mc.build.max_seq_len)
 
 
-def refuse_unsupported_family(spec: BackendSpec, model: str) -> None:
+def refuse_unsupported_family(spec: BackendSpec, model: str, max_seq_len: int | None = None) -> None:
     """Raise UnsupportedError before loading when ``model`` needs a feature (lmdock._plugin.families) that
     ``spec`` lacks, or is of a family ``spec`` refuses.  A model whose config cannot be read here (a
-    hub id not in the cache) is left to the engine."""
+    hub id not in the cache) is left to the engine.  A context capped at the model's sliding window
+    (``build.max_seq_len``) needs no window: every engine caps its sequences there."""
     from lmdock._plugin.families import model_features
 
     found = model_features(model)
-    if found is not None and (why := family_refusal(spec, found, model)):
+    if found is not None and (why := family_refusal(spec, found.within(max_seq_len), model)):
         raise UnsupportedError(why)
 
 
@@ -120,7 +121,10 @@ def family_refusal(spec: BackendSpec, found: Any, model: str) -> str | None:
     for feature, detail in found.features.items():
         ok, why = spec.capability(feature, family)
         if not ok:
-            return f"{model!r} is a {family} model with {detail}; {who} lacks {feature!r}: {why}; {_instead(spec, found.features, family, model)}"
+            cap = (f"; or cap the context at the window (build.max_seq_len = {found.window} or less), which then never cuts it"
+                   if feature == "sliding_window" and found.window else "")
+            return (f"{model!r} is a {family} model with {detail}; {who} lacks {feature!r}: {why}; "
+                    f"{_instead(spec, found.features, family, model)}{cap}")
     return None
 
 

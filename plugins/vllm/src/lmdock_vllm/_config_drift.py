@@ -31,3 +31,19 @@ def hf_overrides(config: dict[str, Any]) -> dict[str, Any]:
     """vLLM's ``hf_overrides`` for a model's ``config.json`` (``{}`` where nothing drifted)."""
     drift = DRIFTS.get(str(config.get("model_type", "")))
     return drift(config) if drift is not None else {}
+
+
+#: families whose vLLM port stops at load on windows over some layers only (Qwen2Model: "Sliding window
+#: for some but all layers is not supported"), and whose layer types choose nothing but the window
+_PARTIAL_WINDOW_STOPS = frozenset({"qwen2"})
+
+
+def within_window(config: dict[str, Any], max_seq_len: int | None) -> dict[str, Any]:
+    """Overrides for a context capped at the model's sliding window (``build.max_seq_len`` at most the
+    window: no token is ever further back than it, so every layer is full attention), for the families
+    vLLM would stop at load otherwise; ``{}`` for the rest."""
+    window, layers = config.get("sliding_window"), config.get("layer_types")
+    if (config.get("model_type") not in _PARTIAL_WINDOW_STOPS or not isinstance(window, int) or max_seq_len is None
+            or max_seq_len > window or not isinstance(layers, list)):
+        return {}
+    return {"layer_types": ["full_attention"] * len(layers), "use_sliding_window": False}

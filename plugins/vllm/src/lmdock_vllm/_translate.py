@@ -17,7 +17,7 @@ from lmdock import ModelConfig, QuantConfig, RequestError, SamplingParams, Unsup
 from lmdock.backend import read_model_json
 
 from lmdock_vllm import _cpu_rope
-from lmdock_vllm._config_drift import hf_overrides
+from lmdock_vllm._config_drift import hf_overrides, within_window
 
 #: lmdock QuantConfig.algo -> vLLM's online quantization method (weights quantized as they load).
 ONLINE_QUANT = {"fp8": "fp8", "int8_weight_only": "int8_per_channel_weight_only"}
@@ -96,7 +96,7 @@ def engine_kwargs(mc: ModelConfig, *, cpu: bool) -> dict[str, Any]:
     kwargs.update(lora_kwargs(mc, cpu))
     kwargs["speculative_config"] = speculative_config(getattr(mc, "speculative", None) or {})
     config = read_model_json(mc.model, "config.json")
-    kwargs["hf_overrides"] = hf_overrides(config) or None
+    kwargs["hf_overrides"] = {**hf_overrides(config), **within_window(config, mc.build.max_seq_len)} or None
     kwargs["compilation_config"] = _cpu_rope.compilation_config(config, cpu=cpu)
     if mc.offload.weights_gpu_percent < 100.0:
         raise UnsupportedError(
