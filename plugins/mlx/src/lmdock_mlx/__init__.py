@@ -38,7 +38,9 @@ SPEC = BackendSpec(
                         "quantization", "lora", "moe"}),
     # families the family tests found exact although their feature is lacked in general, and families
     # refused whatever they need (docs/model-families.md)
-    family_support={"recurrent_state": frozenset({"falcon_h1", "lfm2", "qwen3_next"}),
+    family_support={"recurrent_state": frozenset({"falcon_h1", "lfm2", "qwen3_next",
+                                                  # on mlx-lm's granitemoehybrid, translated (lmdock_mlx._granite_hybrid)
+                                                  "granitemoehybrid", "bamba"}),
                     # mlx-lm's Gemma 3 keeps its sliding layers in RotatingKVCaches of the window; lmdock-mlx passes it
                     # the layer pattern (layer_types -> sliding_window_pattern, _engine.KEY_VALUES)
                     "sliding_window": frozenset({"gemma3_text"}),
@@ -59,9 +61,8 @@ SPEC = BackendSpec(
                           "no window: tokens differ past it); Gemma 3's it keeps",
         "attention_sinks": "unverified: mlx-lm 0.32 cannot load transformers 5's gpt-oss checkpoints (their expert weights)",
         "logit_softcapping": "unverified beyond Gemma 2, the one family of the family tests that has it",
-        "recurrent_state": "mlx-lm 0.32 has no bamba, and its granitemoehybrid reads layer types transformers 5 no longer "
-                           "writes (the load fails; translated, its tokens differ from the first); falcon_h1, lfm2 and qwen3_next "
-                           "run exactly",
+        "recurrent_state": "unverified beyond the family tests' hybrids: falcon_h1, lfm2, qwen3_next, granitemoehybrid and "
+                           "bamba run exactly (the last two on mlx-lm's granitemoehybrid port, their configs translated)",
     },
     requires=("mlx", "mlx_lm"),
     engine_packages=("mlx", "mlx-lm"),  # mlx-lm's caches and model calls (docs/authoring-backends.md)

@@ -35,6 +35,7 @@ import numpy as np
 from lmdock import BackendError, LoRARequest, ModelConfig, UnsupportedError
 from lmdock.backend import SeqChunk, StepEngineBase, StepOutput, read_model_json
 
+from lmdock_mlx._granite_hybrid import BAMBA_KEYS, granite_layer_types, granite_positions, load_bamba
 from lmdock_mlx._lora import Adapters
 
 #: Keys transformers 5 writes under names mlx-lm 0.32 does not read, by model_type: {mlx-lm's name:
@@ -63,11 +64,17 @@ def _full_every(config: dict[str, Any]) -> int | None:
 
 #: Keys mlx-lm 0.32 reads whose value transformers 5 writes in another form, by model_type: {mlx-lm's
 #: key: how to compute it from the config (None: nothing to change)}.  Without them Gemma 3 and
-#: Qwen3-Next take mlx-lm's default layer pattern whatever the checkpoint's layers are.
+#: Qwen3-Next take mlx-lm's default layer pattern whatever the checkpoint's layers are, and Granite 4
+#: hybrids fail to load or get rotary positions they do not have (lmdock_mlx._granite_hybrid).
 KEY_VALUES: dict[str, dict[str, Any]] = {
     "gemma3_text": {"sliding_window_pattern": _full_every},
     "qwen3_next": {"full_attention_interval": _full_every},
+    "granitemoehybrid": {"layer_types": granite_layer_types, "position_embedding_type": granite_positions},
+    "bamba": BAMBA_KEYS,  # run on mlx-lm's granitemoehybrid (LOADERS)
 }
+
+#: Families mlx-lm has no port of that lmdock-mlx loads onto another port: model_type -> load(model, model_config=overrides)
+LOADERS = {"bamba": load_bamba}
 
 
 def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
@@ -193,7 +200,8 @@ class MlxStepEngine(StepEngineBase):
             mx.set_default_device(mx.gpu)
         config = read_model_json(mc.model, "config.json")
         try:
-            model, wrapper = mlx_load(mc.model, model_config=config_overrides(config))
+            load = LOADERS.get(config.get("model_type", ""), mlx_load)
+            model, wrapper = load(mc.model, model_config=config_overrides(config))
         except UnsupportedError:
             raise
         except Exception as exc:
