@@ -37,6 +37,14 @@ def test_granite_layer_types_and_positions_are_told_as_mlx_lm_reads_them() -> No
     assert "layer_types" not in config_overrides({**GRANITE, "layer_types": ["mamba", "attention"]})
 
 
+def test_an_infinite_time_step_limit_reaches_mlx_lm_as_a_number() -> None:
+    # transformers 5 writes infinity tagged; mlx-lm 0.30 passed the dict on and its SSM step failed
+    tagged = {"time_step_limit": [0.0, {"__float__": "Infinity"}]}
+    assert config_overrides({**GRANITE, **tagged})["time_step_limit"] == [0.0, float("inf")]
+    assert config_overrides({**BAMBA, **tagged})["time_step_limit"] == [0.0, float("inf")]
+    assert "time_step_limit" not in config_overrides({**GRANITE, "time_step_limit": [0.001, 100.0]})
+
+
 @pytest.mark.parametrize(("change", "match"), [({"mamba_n_groups": 2}, "one group"), ({"head_dim": 16}, "head size"),
                                                ({"layer_types": ["linear_attention", "sliding_attention"]}, "sliding_attention"),
                                                ({"position_embedding_type": "rope", "rope_parameters": {"partial_rotary_factor": 0.5}},

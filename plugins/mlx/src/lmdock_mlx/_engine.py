@@ -35,7 +35,7 @@ import numpy as np
 from lmdock import BackendError, LoRARequest, ModelConfig, UnsupportedError
 from lmdock.backend import SeqChunk, StepEngineBase, StepOutput, read_model_json
 
-from lmdock_mlx._granite_hybrid import BAMBA_KEYS, granite_layer_types, granite_positions, load_bamba
+from lmdock_mlx._granite_hybrid import BAMBA_KEYS, granite_layer_types, granite_positions, load_bamba, time_step_limit
 from lmdock_mlx._lora import Adapters
 
 #: Keys transformers 5 writes under names mlx-lm 0.32 does not read, by model_type: {mlx-lm's name:
@@ -69,7 +69,8 @@ def _full_every(config: dict[str, Any]) -> int | None:
 KEY_VALUES: dict[str, dict[str, Any]] = {
     "gemma3_text": {"sliding_window_pattern": _full_every},
     "qwen3_next": {"full_attention_interval": _full_every},
-    "granitemoehybrid": {"layer_types": granite_layer_types, "position_embedding_type": granite_positions},
+    "granitemoehybrid": {"layer_types": granite_layer_types, "position_embedding_type": granite_positions,
+                         "time_step_limit": time_step_limit},
     "bamba": BAMBA_KEYS,  # run on mlx-lm's granitemoehybrid (LOADERS)
 }
 

@@ -63,6 +63,15 @@ def granite_positions(config: dict[str, Any]) -> str:
     return "rope"
 
 
+def time_step_limit(config: dict[str, Any]) -> list[float] | None:
+    """The Mamba time-step clamp as numbers: transformers 5 writes infinity as ``{"__float__": "Infinity"}``,
+    which mlx-lm 0.30 passes on as a dict (its SSM step then fails; 0.32 decodes it)."""
+    limit = config.get("time_step_limit")
+    if not isinstance(limit, list):
+        return None
+    return [float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else v for v in limit]
+
+
 def _bamba_rotary(config: dict[str, Any]) -> float:
     # transformers 5's BambaConfig sets 0.5 whatever the config says ("hardcode for BC")
     return float((config.get("rope_parameters") or {}).get("partial_rotary_factor", 0.5))
@@ -88,6 +97,7 @@ BAMBA_KEYS: dict[str, Any] = {
     "logits_scaling": lambda _: 1.0,
     "position_embedding_type": lambda _: "rope",
     "partial_rotary_factor": _bamba_rotary,
+    "time_step_limit": time_step_limit,
 }  # no num_local_experts: mlx-lm's dense GraniteMoeHybridMLP, a SwiGLU like Bamba's feed_forward
 
 #: Bamba's weight names -> mlx-lm granitemoehybrid's (substrings of the dotted names)
