@@ -365,6 +365,10 @@ mlxl=$ENVS/mlx-lowest/bin/python
 low_t0=$(date +%s)
 t "$mlxl" plugins/mlx/tests
 t "$mlxl" --pyargs lmdock_conformance --lmdock-backend=mlx --lmdock-model="$LMDOCK_MODELS/stories260K" -rs
+# the family tests at the lowest mlx-lm too: the declaration (docs/families/mlx.json) must hold there (~15 s)
+t "$mlxl" --pyargs lmdock_conformance.test_families --lmdock-backend=mlx --lmdock-model="$LMDOCK_MODELS/stories260K" --lmdock-zoo="$ZOO" \
+  --lmdock-zoo-outcomes="$REPORTS/families-mlx-lowest.json" -rs
+"$mlxl" scripts/gen_model_families.py --compare "$REPORTS/families-mlx-lowest.json"
 echo "mlx-lowest tests took $(( $(date +%s) - low_t0 )) s"
 
 echo "== onnx-lowest: lmdock + lmdock-onnx[export] at the lowest versions it declares (scripts/lowest/onnx.txt)"

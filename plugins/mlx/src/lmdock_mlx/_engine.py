@@ -44,7 +44,7 @@ from lmdock_mlx._lora import Adapters
 KEY_NAMES: dict[str, dict[str, str]] = {
     "qwen3_moe": {"num_experts": "num_local_experts"},
     "gpt2": {"n_ctx": "n_positions"},
-    "lfm2": {"block_dim": "hidden_size"},
+    "lfm2": {"block_dim": "hidden_size", "block_ff_dim": "intermediate_size"},  # mlx-lm 0.30 requires block_ff_dim
 }
 
 
