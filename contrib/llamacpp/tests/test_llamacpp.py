@@ -232,6 +232,24 @@ def test_portable_configs_reach_llama_cpp() -> None:
         eng.close()
 
 
+def test_a_context_shorter_than_the_sequence_pool_runs() -> None:
+    """llama.cpp caps n_batch at the n_ctx it is given, then pads n_ctx to 256: a 16-token context (a
+    family capped at its window) under 40 sequences aborted the process in llama_init_from_model."""
+    from lmdock import BuildConfig, SchedulerConfig
+
+    eng = make_engine(build=BuildConfig(max_seq_len=16), scheduler=SchedulerConfig(max_num_seqs=4))
+    try:
+        assert eng.max_seq_len == 16 and eng.n_seq_max == 2 * 4 + 32 and eng.n_batch >= eng.n_seq_max
+        assert int(np.argmax(prefill(eng, 0, PROMPT))) == GREEDY_8[0]
+    finally:
+        eng.close()
+
+
+def test_an_n_batch_below_the_sequence_pool_is_refused_not_aborted() -> None:
+    with pytest.raises(BackendError, match=r"n_batch = 8 is below n_seq_max = 16.*raise n_batch or lower n_seq_max"):
+        LLM(str(GGUF), backend="llamacpp", backends={"llamacpp": {"n_batch": 8, "n_seq_max": 16}})
+
+
 def test_backend_options_are_validated() -> None:
     with pytest.raises(Exception, match="n_thread"):
         LLM(str(GGUF), backend="llamacpp", backends={"llamacpp": {"n_thread": 2}})

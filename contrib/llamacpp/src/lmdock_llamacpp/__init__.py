@@ -95,7 +95,8 @@ SPEC = BackendSpec(
                         # forks and prefix reuse only at a recurrent state's whole length (docs/backends/llamacpp.md)
                         "recurrent_state"}),
     # families the family tests found exact although their feature is lacked in general (docs/model-families.md)
-    family_support={"sliding_window": frozenset({"gemma2"}), "logit_softcapping": frozenset({"gemma2"})},
+    family_support={"sliding_window": frozenset({"gemma2", "gpt_oss"}), "logit_softcapping": frozenset({"gemma2"}),
+                    "attention_sinks": frozenset({"gpt_oss"})},
     # llama.cpp reads Gemma 3's layer pattern from the GGUF, defaulting to 6 (five sliding, one full); the converter
     # writes none, so the zoo's [sliding, full] checkpoint runs with both layers windowed (it matches transformers
     # with every layer sliding within 7e-4; plugins/mlx/tools/window_logits.py gives the 2.6 from the windowed reference)
@@ -109,10 +110,11 @@ SPEC = BackendSpec(
         "offload": "no OffloadPolicy: llama.cpp maps the file (use_mmap) and places layers with n_gpu_layers",
         "lora": "not wired yet: llama-cpp-python takes adapters per model (lora_path), not per request (issue 33)",
         # model features: what lmdock-conformance's family tests found (docs/model-families.md)
-        "sliding_window": "unverified beyond Gemma 2 (exact in the family tests; its logits follow transformers' windowed "
-                          "ones, not full attention): llama.cpp's converter drops Mistral's and Qwen2's windows (their GGUFs hold none), "
-                          "Phi-3's GGUF did not load",
-        "attention_sinks": "unverified: llama.cpp's converter did not convert the family tests' gpt-oss (its tokenizer check)",
+        "sliding_window": "unverified beyond Gemma 2 and gpt-oss (exact in the family tests, past their windows): llama.cpp "
+                          "runs Phi-3 without its window (it disables Phi SWA at load; the family tests' Phi-3 diverges "
+                          "past its 16-token window, from token 1 after a 40-token prompt) and llama.cpp's converter drops "
+                          "Mistral's and Qwen2's windows (their GGUFs hold none)",
+        "attention_sinks": "unverified beyond gpt-oss (exact in the family tests)",
         "logit_softcapping": "unverified beyond Gemma 2 (exact in the family tests)",
     },
     requires=("llama_cpp", "numpy", "jinja2"),

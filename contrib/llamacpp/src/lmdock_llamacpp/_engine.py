@@ -254,9 +254,16 @@ class LlamaCppStepEngine(StepEngineBase):
         kv = build.get("kv_type") or ("f32" if float_file else "f16")
         type_k, type_v = options.type_k or kv, options.type_v or kv
         flash = options.flash_attn or ("off" if type_k == type_v == "f32" else "auto")
+        # llama.cpp pads n_ctx to a multiple of 256 only after it caps n_batch at the unpadded n_ctx; a
+        # context under n_seq_max tokens (build.max_seq_len = a 16-token window) then aborts the process
+        # in output_reserve (GGML_ASSERT n_outputs_max <= n_outputs_max, n_batch < n_seq_max): pad first
+        n_ctx = -(-(options.n_ctx or build.get("kv_max_tokens") or min(build.get("max_seq_len") or train, train)) // 256) * 256
+        if min(n_ctx, n_batch) < self.n_seq_max:
+            raise BackendError(f"n_batch = {min(n_ctx, n_batch)} is below n_seq_max = {self.n_seq_max}, which llama.cpp "
+                               "cannot run (it aborts the process); raise n_batch or lower n_seq_max in [backends.llamacpp]")
         _set(
             cp,
-            n_ctx=options.n_ctx or build.get("kv_max_tokens") or min(build.get("max_seq_len") or train, train),
+            n_ctx=n_ctx,
             n_batch=n_batch,
             n_ubatch=options.n_ubatch or min(n_batch, 512),
             n_seq_max=self.n_seq_max,
