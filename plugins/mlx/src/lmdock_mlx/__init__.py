@@ -42,15 +42,13 @@ SPEC = BackendSpec(
                                                   # on mlx-lm's granitemoehybrid, translated (lmdock_mlx._granite_hybrid)
                                                   "granitemoehybrid", "bamba"}),
                     # mlx-lm's Gemma 3 keeps its sliding layers in RotatingKVCaches of the window; lmdock-mlx passes it
-                    # the layer pattern (layer_types -> sliding_window_pattern, _engine.KEY_VALUES)
-                    "sliding_window": frozenset({"gemma3_text"}),
+                    # the layer pattern (layer_types -> sliding_window_pattern, _engine.KEY_VALUES); its gpt-oss does the
+                    # same from layer_types (transformers 5's checkpoints translated in memory, lmdock_mlx._gpt_oss)
+                    "sliding_window": frozenset({"gemma3_text", "gpt_oss"}),
+                    "attention_sinks": frozenset({"gpt_oss"}),
                     # mlx-lm's Gemma 2 caps attention and final logits (models/gemma2.py); its port has no window, so
                     # the family tests check it with the context capped at the window (test_families, "within")
                     "logit_softcapping": frozenset({"gemma2"})},
-    refuses_families={"gpt2": "mlx-lm 0.32 cannot load transformers 5's gpt2 checkpoints (their weight names differ from its port's)",
-                      "gpt_oss": "mlx-lm 0.32's gpt-oss port reads the original checkpoint's expert weights (gate_up_proj_blocks, "
-                                 "or gate_proj.weight); transformers 5 writes experts.gate_up_proj / down_proj tensors in another "
-                                 "layout, which it cannot load"},
     lacks={
         "vision": "mlx-lm runs text models only; mlx-vlm's vision models do not fit the step-engine contract here yet (docs/vision.md)",
         "embed": "mlx-lm serves causal LMs",
@@ -58,8 +56,8 @@ SPEC = BackendSpec(
         "offload": "MLX keeps weights in unified memory",
         # model features: what lmdock-conformance's family tests found (docs/model-families.md)
         "sliding_window": "mlx-lm 0.32 attends past Mistral's, Phi-3's, Qwen2's and Gemma 2's windows (its ports of them have "
-                          "no window: tokens differ past it); Gemma 3's it keeps",
-        "attention_sinks": "unverified: mlx-lm 0.32 cannot load transformers 5's gpt-oss checkpoints (their expert weights)",
+                          "no window: tokens differ past it); Gemma 3's and gpt-oss's it keeps",
+        "attention_sinks": "unverified beyond gpt-oss, the one family of the family tests that has them",
         "logit_softcapping": "unverified beyond Gemma 2, the one family of the family tests that has it",
         "recurrent_state": "unverified beyond the family tests' hybrids: falcon_h1, lfm2, qwen3_next, granitemoehybrid and "
                            "bamba run exactly (the last two on mlx-lm's granitemoehybrid port, their configs translated)",

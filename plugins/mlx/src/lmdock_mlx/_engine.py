@@ -35,6 +35,8 @@ import numpy as np
 from lmdock import BackendError, LoRARequest, ModelConfig, UnsupportedError
 from lmdock.backend import SeqChunk, StepEngineBase, StepOutput, read_model_json
 
+from lmdock_mlx._gpt2 import load_gpt2
+from lmdock_mlx._gpt_oss import load_gpt_oss
 from lmdock_mlx._granite_hybrid import BAMBA_KEYS, granite_layer_types, granite_positions, load_bamba, time_step_limit
 from lmdock_mlx._lora import Adapters
 
@@ -74,8 +76,9 @@ KEY_VALUES: dict[str, dict[str, Any]] = {
     "bamba": BAMBA_KEYS,  # run on mlx-lm's granitemoehybrid (LOADERS)
 }
 
-#: Families mlx-lm has no port of that lmdock-mlx loads onto another port: model_type -> load(model, model_config=overrides)
-LOADERS = {"bamba": load_bamba}
+#: Families lmdock-mlx loads with its own classes on an mlx-lm port (another family's, for Bamba), translating
+#: the checkpoint in memory: model_type -> load(model, model_config=overrides)
+LOADERS = {"bamba": load_bamba, "gpt2": load_gpt2, "gpt_oss": load_gpt_oss}
 
 
 def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
@@ -192,6 +195,7 @@ class MlxStepEngine(StepEngineBase):
 
     @classmethod
     def load(cls, mc: ModelConfig, options: Any, quantization: Any, build: dict[str, Any]) -> MlxStepEngine:
+        from mlx.utils import tree_flatten
         from mlx_lm import load as mlx_load
 
         device = build.get("device", "auto")
@@ -216,11 +220,12 @@ class MlxStepEngine(StepEngineBase):
             # as mlx_lm.convert does: layers whose input width the group size does not divide stay float
             nn.quantize(model, group_size=group, bits=quantization["bits"],
                         class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % group == 0)
-        # MLX streams belong to threads: materialize the weights here, not lazily in the engine thread
-        mx.eval(model.parameters())
+        # MLX streams belong to threads: materialize the weights here, not lazily in the engine thread, and the
+        # arrays modules keep beside them (mlx-lm's YarnRoPE frequencies: "no Stream(cpu, 0)" in the engine thread)
+        mx.eval([v for _, v in tree_flatten(model) if isinstance(v, mx.array)])
         tokenizer = getattr(wrapper, "_tokenizer", wrapper)
         eos = tuple(dict.fromkeys(int(t) for t in (getattr(wrapper, "eos_token_ids", None) or [tokenizer.eos_token_id]) if t is not None))
-        limit = int(config.get("max_position_embeddings") or 4096)
+        limit = int(config.get("max_position_embeddings") or config.get("n_positions") or 4096)  # GPT-2: n_positions
         max_seq_len = min(build["max_seq_len"], limit) if build.get("max_seq_len") else limit
         vocab = int(config.get("vocab_size") or len(tokenizer))
         engine = cls(model, tokenizer, eos, max_seq_len, vocab, read_model_json(mc.model, "generation_config.json"), build.get("kv_max_tokens"),

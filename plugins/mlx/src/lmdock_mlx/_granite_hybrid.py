@@ -20,10 +20,11 @@ the attention head size from ``hidden_size / num_attention_heads``.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from lmdock import UnsupportedError
+
+from lmdock_mlx._ports import load_on_port
 
 #: transformers 5's layer types -> mlx-lm's granitemoehybrid layer types
 LAYER_KINDS = {"linear_attention": "mamba", "full_attention": "attention"}
@@ -141,11 +142,4 @@ def _bamba_classes(config: dict[str, Any]) -> tuple[type, type]:
 
 def load_bamba(model: str, model_config: dict[str, Any]) -> tuple[Any, Any]:
     """mlx-lm's ``load`` for a local Bamba checkpoint: (model, tokenizer wrapper)."""
-    from mlx_lm.utils import load_model, load_tokenizer
-
-    path = Path(model)
-    if not path.is_dir():
-        raise UnsupportedError(f"bamba {model!r}: lmdock-mlx loads Bamba from a local folder; download it first "
-                               "(huggingface-cli download) and give its path")
-    net, config = load_model(path, model_config=model_config, get_model_classes=_bamba_classes)
-    return net, load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    return load_on_port("bamba", model, model_config, _bamba_classes)
