@@ -5,13 +5,12 @@ reach this)."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _checkpoints import write_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -29,20 +28,12 @@ def gemma2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from mlx.utils import tree_flatten
     from mlx_lm.models import gemma2
 
-    stories = Path(os.environ.get("LMDOCK_MODELS", "../shared/models")) / "stories260K"
-    if not (stories / "tokenizer.json").is_file():
-        pytest.fail("set LMDOCK_MODELS to the folder that holds stories260K")
     folder = tmp_path_factory.mktemp("gemma2")
     mx.random.seed(38)
     model = gemma2.Model(gemma2.ModelArgs.from_dict(GEMMA2))
     weights = {k: (mx.random.normal(v.shape) * (1.0 if "embed" in k else 0.15)) if v.ndim >= 2 else v
                for k, v in tree_flatten(model.parameters())}
-    mx.save_safetensors(str(folder / "model.safetensors"), weights)
-    (folder / "config.json").write_text(json.dumps(GEMMA2))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"):
-        if (stories / name).is_file():
-            shutil.copy(stories / name, folder / name)
-    return folder
+    return write_checkpoint(folder, GEMMA2, weights)
 
 
 def _greedy(folder: Path, prompts: list[list[int]], n: int) -> list[list[int]]:

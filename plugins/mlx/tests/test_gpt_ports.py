@@ -5,13 +5,13 @@ compare the tokens with transformers' generate (docs/model-families.md)."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from _checkpoints import write_checkpoint
 from lmdock import UnsupportedError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -36,18 +36,20 @@ TRANSFORMERS_YARN_INV_FREQ = [1.0, 0.47478205, 0.225418, 0.10702442, 0.050813273
 
 
 def _checkpoint(folder: Path, config: dict, weights: dict) -> Path:
-    """A checkpoint folder with ``weights`` and stories260K's tokenizer."""
-    import mlx.core as mx
+    return write_checkpoint(folder, config, weights)
 
-    stories = Path(os.environ.get("LMDOCK_MODELS", "../shared/models")) / "stories260K"
-    if not (stories / "tokenizer.json").is_file():
-        pytest.fail("set LMDOCK_MODELS to the folder that holds stories260K")
-    mx.save_safetensors(str(folder / "model.safetensors"), weights)
-    (folder / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"):
-        if (stories / name).is_file():
-            shutil.copy(stories / name, folder / name)
-    return folder
+
+def _load_untouched(tmp_path: Path, config: dict, saved: dict, load: Any) -> dict:
+    """Load ``saved`` through ``load`` (lmdock-mlx's loader for the family); the user's folder is only read.
+    The model and its parameters by name."""
+    from lmdock_mlx._engine import config_overrides
+    from mlx.utils import tree_flatten
+
+    folder = _checkpoint(tmp_path, config, saved)
+    before = sorted(p.name for p in folder.iterdir())
+    model, _ = load(str(folder), config_overrides(config))
+    assert sorted(p.name for p in folder.iterdir()) == before  # nothing written to the user's folder
+    return {"model": model, "loaded": dict(tree_flatten(model.parameters()))}
 
 
 def _random(shapes: dict[str, tuple[int, ...]], seed: int) -> dict:
@@ -76,16 +78,11 @@ def _gpt2_shapes(c: dict) -> dict[str, tuple[int, ...]]:
 
 def test_gpt2_loads_under_transformers_5s_names_with_its_width_and_untied_head(tmp_path: Path) -> None:
     import mlx.core as mx
-    from lmdock_mlx._engine import config_overrides
     from lmdock_mlx._gpt2 import load_gpt2
-    from mlx.utils import tree_flatten
 
     saved = _random(_gpt2_shapes(GPT2), 38)
-    folder = _checkpoint(tmp_path, GPT2, saved)
-    before = sorted(p.name for p in folder.iterdir())
-    model, _ = load_gpt2(str(folder), config_overrides(GPT2))
-    assert sorted(p.name for p in folder.iterdir()) == before  # nothing written to the user's folder
-    loaded = dict(tree_flatten(model.parameters()))
+    out = _load_untouched(tmp_path, GPT2, saved, load_gpt2)
+    model, loaded = out["model"], out["loaded"]
     assert len(loaded) == len(saved)
     # Conv1D weights (in, out) become Linear weights (out, in); the 128-wide feed-forward is n_inner's
     assert mx.array_equal(loaded["model.h.1.mlp.c_fc.weight"], saved["transformer.h.1.mlp.c_fc.weight"].T).item()
@@ -189,16 +186,11 @@ def _gpt_oss_shapes(c: dict) -> dict[str, tuple[int, ...]]:
 
 def test_gpt_oss_loads_transformers_5s_layout_with_its_frequencies(tmp_path: Path) -> None:
     import mlx.core as mx
-    from lmdock_mlx._engine import config_overrides
     from lmdock_mlx._gpt_oss import load_gpt_oss
-    from mlx.utils import tree_flatten
 
     saved = _random(_gpt_oss_shapes(GPT_OSS), 42)
-    folder = _checkpoint(tmp_path, GPT_OSS, saved)
-    before = sorted(p.name for p in folder.iterdir())
-    model, _ = load_gpt_oss(str(folder), config_overrides(GPT_OSS))
-    assert sorted(p.name for p in folder.iterdir()) == before  # nothing written to the user's folder
-    loaded = dict(tree_flatten(model.parameters()))
+    out = _load_untouched(tmp_path, GPT_OSS, saved, load_gpt_oss)
+    model, loaded = out["model"], out["loaded"]
     gate_up = saved["model.layers.1.mlp.experts.gate_up_proj"]
     assert mx.array_equal(loaded["model.layers.1.mlp.experts.up_proj.weight"], gate_up[..., 1::2].swapaxes(1, 2)).item()
     assert mx.array_equal(loaded["model.layers.0.self_attn.sinks"], saved["model.layers.0.self_attn.sinks"]).item()
