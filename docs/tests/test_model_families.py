@@ -58,3 +58,25 @@ def test_each_outcome_agrees_with_the_declaration(backend: str) -> None:
             assert refusal, f"{backend} refused {family} in the run, but its declaration runs it: re-run the family tests"
         else:
             assert refusal is None, f"{backend} ran {family} exactly, but its declaration refuses it: {refusal}"
+
+
+def test_a_ci_run_must_reproduce_each_outcome_and_each_exactness_within_the_window(tmp_path: Path) -> None:
+    """scripts/test.sh compares every family run with the committed outcomes (gen_model_families.py --compare): a
+    changed outcome, or a refused family no longer exact with the context capped at its window, fails CI; a
+    refusal's wording may change."""
+    import json
+
+    gen = _generator()
+    committed = json.loads((ROOT / "docs" / "families" / "mlx.json").read_text())
+    capped = next(f for f, o in committed["families"].items() if o.get("within_window") == "exact")
+    run = tmp_path / "run.json"
+
+    def diffs(change: dict[str, Any]) -> list[str]:
+        outcome = {k: v for k, v in {**committed["families"][capped], **change}.items() if v is not None}
+        families = {**committed["families"], capped: outcome}
+        run.write_text(json.dumps({**committed, "families": families}))
+        return gen.compare(run)
+
+    assert diffs({"reason": "reworded"}) == []
+    assert [d.split(":")[0] for d in diffs({"within_window": None})] == [capped]
+    assert "committed refused (exact ≤ window), this run exact" in diffs({"outcome": "exact", "within_window": None})[0]
